@@ -1,0 +1,36 @@
+# Every target that runs code first makes sure .venv exists and holds the project.
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.pdxfer-installed
+
+.PHONY: setup demo test test-fast lint format proto bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# The CPU build of torch; a bare "torch" would pull a multi-GB CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev,ucx]'
+	touch $(STAMP)
+
+demo: setup
+	$(VENV)/bin/pdxfer plan --model qwen3-next-80b-a3b --tp 1
+
+test: setup
+	$(PY) -m pytest -q
+
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow"
+
+lint: setup
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
+
+format: setup
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

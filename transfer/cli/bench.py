@@ -1,0 +1,22 @@
+"""`pdxfer bench ...`: benchmarks. Each benchmark module exposes `register(subparsers)`."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "bench",
+        help="transfer, transport and kernel benchmarks",
+        description="Benchmarks. Timing lives here, never in pass/fail tests.",
+    )
+    bench_subparsers = parser.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    for register_bench in _benchmarks():
+        register_bench(bench_subparsers)
+
+
+def _benchmarks() -> list:
+    # Benchmark modules import their heavy dependencies (transports, Triton) inside
+    # their run functions, so building this parser stays cheap.
+    return []

@@ -1,0 +1,97 @@
+"""`pdxfer serve prefill|decode|router`: long-running worker processes."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from transfer.cli.plan import add_model_arguments
+
+ROLES = ("prefill", "decode", "router")
+
+
+def add_security_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("control-plane security")
+    group.add_argument(
+        "--auth-token-file",
+        metavar="PATH",
+        default=os.environ.get("PDXFER_AUTH_TOKEN_FILE"),
+        help="file holding the shared token sent/required in gRPC metadata "
+        "(env PDXFER_AUTH_TOKEN_FILE; PDXFER_AUTH_TOKEN gives the token itself)",
+    )
+    group.add_argument("--tls-cert", metavar="PATH", help="PEM certificate of this server")
+    group.add_argument("--tls-key", metavar="PATH", help="PEM private key of this server")
+    group.add_argument(
+        "--tls-ca",
+        metavar="PATH",
+        help="PEM CA bundle: verifies peers; on a server it also requires client certs (mTLS)",
+    )
+
+
+def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser)
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (default 1)")
+    parser.add_argument(
+        "--transport", choices=["nixl", "ucx"], default="nixl", help="data plane (default nixl)"
+    )
+    parser.add_argument(
+        "--data-host",
+        default=None,
+        help="address the data plane listens on and advertises (default: --host)",
+    )
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="(default cpu)")
+    parser.add_argument("--gpu-mem", default="256MiB", help="cache memory per rank (default 256MiB)")
+    parser.add_argument("--max-seqs", type=int, default=16, help="max live requests (default 16)")
+    parser.add_argument(
+        "--block-size", type=int, default=16, help="minimum KV block size in tokens (default 16)"
+    )
+    parser.add_argument(
+        "--lease-seconds", type=float, default=30.0, help="ticket lease before auto-free (default 30)"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="model weight seed (default 0)")
+    parser.add_argument(
+        "--instance-id", default=None, help="name of this instance (default: host:port)"
+    )
+    dist = parser.add_argument_group("multi-node TP")
+    dist.add_argument("--nnodes", type=int, default=1, help="nodes this instance's TP spans")
+    dist.add_argument("--node-rank", type=int, default=0, help="this node's index (0 = leader)")
+    dist.add_argument(
+        "--dist-addr",
+        default=None,
+        help="host:port of the leader's torch.distributed rendezvous (default: local)",
+    )
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "serve",
+        help="run a prefill, decode or router worker",
+        description="Run one worker process: its TP ranks, gRPC control server, transport "
+        "and Prometheus metrics endpoint. Stops cleanly on SIGINT/SIGTERM.",
+    )
+    parser.add_argument("role", choices=ROLES, help="which worker to run")
+    parser.add_argument("--host", default="127.0.0.1", help="gRPC bind address (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=50051, help="gRPC port (default 50051; 0 = any)")
+    parser.add_argument(
+        "--metrics-port", type=int, default=9400, help="Prometheus /metrics port (default 9400; 0 = off)"
+    )
+    add_security_arguments(parser)
+    add_worker_arguments(parser)
+    router = parser.add_argument_group("router")
+    router.add_argument(
+        "--prefill",
+        action="append",
+        default=[],
+        metavar="HOST:PORT",
+        help="a prefill instance (repeat; DNS names of headless Services resolve to all pods)",
+    )
+    router.add_argument(
+        "--decode", action="append", default=[], metavar="HOST:PORT", help="a decode instance (repeat)"
+    )
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from transfer.engine.workers.serve import serve
+
+    return serve(args)

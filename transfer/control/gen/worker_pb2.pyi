@@ -1,0 +1,58 @@
+from transfer.control.gen import transfer_pb2 as _transfer_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_ids", "max_tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_ids: _containers.RepeatedScalarFieldContainer[int]
+    max_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ...) -> None: ...
+
+class DecodeRequest(_message.Message):
+    __slots__ = ("ticket", "max_tokens")
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ticket: _transfer_pb2.Ticket
+    max_tokens: int
+    def __init__(self, ticket: _Optional[_Union[_transfer_pb2.Ticket, _Mapping]] = ..., max_tokens: _Optional[int] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_ids", "max_tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_ids: _containers.RepeatedScalarFieldContainer[int]
+    max_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ...) -> None: ...
+
+class TokenEvent(_message.Message):
+    __slots__ = ("request_id", "token", "index", "finished", "ttft_ms", "transfer_ms", "kv_bytes", "state_bytes", "descriptors")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STATE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTORS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token: int
+    index: int
+    finished: bool
+    ttft_ms: float
+    transfer_ms: float
+    kv_bytes: int
+    state_bytes: int
+    descriptors: int
+    def __init__(self, request_id: _Optional[str] = ..., token: _Optional[int] = ..., index: _Optional[int] = ..., finished: _Optional[bool] = ..., ttft_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., state_bytes: _Optional[int] = ..., descriptors: _Optional[int] = ...) -> None: ...

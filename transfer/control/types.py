@@ -1,0 +1,188 @@
+"""Frozen dataclasses that cross the control-plane boundary, and their validation.
+
+Core code sees only these; `convert.py` maps them to and from protobuf.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+WIRE_VERSION = "1"
+COMPAT_FIELDS = ("geometry", "dtypes", "block_size", "layout_version", "wire_version")
+MAX_ID_LEN = 256
+
+
+class FreeReason(str, enum.Enum):
+    """Why a ticket's blocks and slot went back to the prefill pools."""
+
+    RELEASED = "released"
+    ABORTED = "aborted"
+    EXPIRED = "expired"
+
+
+@dataclass(frozen=True)
+class ControlConfig:
+    """Bounds the control plane validates against, and the lease length.
+
+    `block_size` ties the block count to the token count: a ticket holds exactly
+    ceil(num_tokens / block_size) blocks.
+    """
+
+    num_kv_blocks: int
+    num_state_slots: int
+    block_size: int
+    max_blocks_per_request: int
+    lease_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        for name in ("num_kv_blocks", "num_state_slots", "block_size", "max_blocks_per_request"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: must be a positive int, got {value!r}")
+        if not (isinstance(self.lease_s, (int, float)) and math.isfinite(self.lease_s) and self.lease_s > 0):
+            raise ValueError(f"lease_s: must be a positive number of seconds, got {self.lease_s!r}")
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """One finished prefill: where its cache lives and until when it is kept.
+
+    `lease_deadline` is unix seconds; `address` is the prefill instance's control endpoint.
+    """
+
+    request_id: str
+    instance_id: str
+    block_ids: tuple[int, ...]
+    slot_id: int
+    num_tokens: int
+    first_token: int
+    lease_deadline: float
+    address: str = ""
+
+
+@dataclass(frozen=True)
+class HandshakeRequest:
+    instance_id: str
+    compat: Mapping[str, str]
+    compat_hash: str
+
+
+@dataclass(frozen=True)
+class HandshakeReply:
+    """What a decode instance learns about a prefill instance, per TP rank (opaque bytes)."""
+
+    instance_id: str
+    compat: Mapping[str, str]
+    compat_hash: str
+    rank_metadata: tuple[bytes, ...] = ()
+    rank_layouts: tuple[bytes, ...] = ()
+
+
+@dataclass(frozen=True)
+class PrefillRequest:
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    max_tokens: int
+
+
+@dataclass(frozen=True)
+class DecodeRequest:
+    ticket: Ticket
+    max_tokens: int
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    max_tokens: int
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One generated token; the transfer figures are filled on the first event of a request."""
+
+    request_id: str
+    token: int
+    index: int
+    finished: bool = False
+    ttft_ms: float = 0.0
+    transfer_ms: float = 0.0
+    kv_bytes: int = 0
+    state_bytes: int = 0
+    descriptors: int = 0
+
+
+def make_compat(*, geometry: str, dtypes: str, block_size: int, layout_version: str | int, **extra: str) -> dict[str, str]:
+    """The compatibility fields of this build; the caller names its geometry and dtypes, the wire version is ours."""
+    fields = {
+        "geometry": str(geometry),
+        "dtypes": str(dtypes),
+        "block_size": str(block_size),
+        "layout_version": str(layout_version),
+        "wire_version": WIRE_VERSION,
+        **{k: str(v) for k, v in extra.items()},
+    }
+    validate_compat(fields)
+    return fields
+
+
+def compat_hash(fields: Mapping[str, str]) -> str:
+    """sha256 over the sorted `key=value` lines."""
+    text = "\n".join(f"{k}={fields[k]}" for k in sorted(fields))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def compat_mismatch(ours: Mapping[str, str], theirs: Mapping[str, str]) -> list[str]:
+    """Names of the fields whose values differ (a key missing on one side counts)."""
+    return sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
+
+
+def validate_compat(fields: Mapping[str, str], name: str = "compat") -> None:
+    missing = [k for k in COMPAT_FIELDS if not fields.get(k)]
+    if missing:
+        raise ValueError(f"{name}.{missing[0]}: required compatibility field is missing or empty")
+
+
+def validate_id(value: str, name: str) -> None:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{name}: must be a non-empty string")
+    if len(value) > MAX_ID_LEN or not value.isprintable():
+        raise ValueError(f"{name}: must be at most {MAX_ID_LEN} printable characters")
+
+
+def validate_blocks(block_ids: tuple[int, ...], slot_id: int, config: ControlConfig) -> None:
+    """Range and uniqueness of a ticket's block ids and slot id."""
+    if len(block_ids) > config.max_blocks_per_request:
+        raise ValueError(f"block_ids: {len(block_ids)} blocks exceed max_blocks_per_request={config.max_blocks_per_request}")
+    seen: set[int] = set()
+    for i, block in enumerate(block_ids):
+        if not 0 <= block < config.num_kv_blocks:
+            raise ValueError(f"block_ids[{i}]: {block} is out of range [0, {config.num_kv_blocks})")
+        if block in seen:
+            raise ValueError(f"block_ids[{i}]: block {block} appears twice")
+        seen.add(block)
+    if not 0 <= slot_id < config.num_state_slots:
+        raise ValueError(f"slot_id: {slot_id} is out of range [0, {config.num_state_slots})")
+
+
+def validate_ticket_fields(
+    request_id: str, block_ids: tuple[int, ...], slot_id: int, num_tokens: int, first_token: int, config: ControlConfig
+) -> None:
+    """Everything a prefill must get right before its ticket is published."""
+    validate_id(request_id, "request_id")
+    if num_tokens < 1:
+        raise ValueError(f"num_tokens: must be >= 1, got {num_tokens}")
+    if first_token < 0:
+        raise ValueError(f"first_token: must be >= 0, got {first_token}")
+    validate_blocks(block_ids, slot_id, config)
+    expected = -(-num_tokens // config.block_size)
+    if len(block_ids) != expected:
+        raise ValueError(
+            f"block_ids: {len(block_ids)} blocks for {num_tokens} tokens, expected {expected} "
+            f"(block_size={config.block_size})"
+        )
