@@ -19,9 +19,11 @@ demo: setup
 	$(VENV)/bin/pdxfer plan --model qwen3-next-80b-a3b --tp 1
 
 test: setup
+	sh deploy/tools/ensure-kubectl.sh
 	$(PY) -m pytest -q
 
 test-fast: setup
+	sh deploy/tools/ensure-kubectl.sh
 	$(PY) -m pytest -q -m "not slow"
 
 lint: setup
@@ -31,6 +33,9 @@ lint: setup
 format: setup
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
+
+proto: setup
+	$(PY) -m transfer.control.codegen
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

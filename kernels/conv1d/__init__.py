@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import torch
 
 from kernels.backend import use_triton
@@ -32,7 +34,9 @@ def causal_conv1d(
     """
     num_seqs = _check_conv_args(x, weight, bias, activation, cu_seqlens)
     if initial_state is not None:
-        _check_tensor("initial_state", initial_state, (num_seqs, x.shape[2], weight.shape[1] - 1), x)
+        _check_tensor(
+            "initial_state", initial_state, (num_seqs, x.shape[2], weight.shape[1] - 1), x
+        )
     args = (x, weight, bias, activation, initial_state, output_final_state, cu_seqlens)
     if use_triton(x, weight, bias, initial_state):
         from kernels.conv1d.triton import causal_conv1d_triton
@@ -82,7 +86,7 @@ def _check_conv_args(x, weight, bias, activation, cu_seqlens) -> int:
     if batch != 1:
         raise ValueError(f"x: with cu_seqlens the batch must be 1, got shape {tuple(x.shape)}")
     bounds = cu_seqlens.tolist()
-    if bounds[0] != 0 or bounds[-1] != seq_len or any(a > b for a, b in zip(bounds, bounds[1:])):
+    if bounds[0] != 0 or bounds[-1] != seq_len or any(a > b for a, b in pairwise(bounds)):
         raise ValueError(
             f"cu_seqlens: expected non-decreasing offsets from 0 to T={seq_len}, got {bounds}"
         )

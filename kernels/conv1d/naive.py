@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import torch
 import torch.nn.functional as F
 
@@ -20,7 +22,7 @@ def causal_conv1d_naive(
         spans = [(b, 0, x.shape[1]) for b in range(x.shape[0])]
     else:
         bounds = cu_seqlens.tolist()
-        spans = [(0, bos, eos) for bos, eos in zip(bounds[:-1], bounds[1:])]
+        spans = [(0, bos, eos) for bos, eos in pairwise(bounds)]
     width = weight.shape[1]
     y = torch.empty_like(x)
     final_states = []

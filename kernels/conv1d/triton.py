@@ -106,9 +106,7 @@ def _conv_final_state_kernel(
     j = tl.arange(0, BLOCK_W).to(tl.int64)
     src = eos - (W - 1) + j  # before bos: a short sequence keeps the tail of its initial state
     mask = (d < D)[:, None] & (j < W - 1)[None, :]
-    value = tl.load(
-        x + src[None, :] * D + d[:, None], mask=mask & (src >= bos)[None, :], other=0.0
-    )
+    value = tl.load(x + src[None, :] * D + d[:, None], mask=mask & (src >= bos)[None, :], other=0.0)
     if HAS_INITIAL:
         carried = tl.load(
             initial_state + i_n * s_n + d[:, None] * s_d + (src - bos + W - 1)[None, :] * s_w,
@@ -199,8 +197,8 @@ def causal_conv1d_triton(
     """Launcher for validated inputs; see `kernels.conv1d.causal_conv1d`."""
     batch, seq_len, dim = x.shape
     width = weight.shape[1]
-    x = x.contiguous()
-    weight = weight.contiguous()
+    x, weight = x.contiguous(), weight.contiguous()
+    bias = bias.contiguous() if bias is not None else None
     y = torch.empty_like(x)
     is_varlen = cu_seqlens is not None
     if is_varlen:
@@ -252,6 +250,7 @@ def causal_conv1d_update_triton(
     batch, dim = x.shape
     width = weight.shape[1]
     weight = weight.contiguous()
+    bias = bias.contiguous() if bias is not None else None
     y = x.new_empty(batch, dim)
     if batch == 0:
         return y

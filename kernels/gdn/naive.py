@@ -62,7 +62,7 @@ def naive_recurrent_gdn(
     return o.to(dtype), torch.stack(finals) if output_final_state else None
 
 
-def _chunks(x: torch.Tensor, chunk_size: int) -> torch.Tensor:
+def split_chunks(x: torch.Tensor, chunk_size: int) -> torch.Tensor:
     """[L, HV, ...] -> [HV, NC, C, ...], zero-padded to whole chunks."""
     pad = (-x.shape[0]) % chunk_size
     x = torch.cat([x, x.new_zeros(pad, *x.shape[1:])]) if pad else x
@@ -73,7 +73,7 @@ def _chunks(x: torch.Tensor, chunk_size: int) -> torch.Tensor:
 def _chunk_one(q, k, v, g, beta, S, chunk_size):
     """One sequence: q, k [L,HV,K], v [L,HV,V], g, beta [L,HV], S [HV,K,V] -> o [L,HV,V], S."""
     L = q.shape[0]
-    q, k, v, g, beta = (_chunks(t, chunk_size) for t in (q, k, v, g, beta))
+    q, k, v, g, beta = (split_chunks(t, chunk_size) for t in (q, k, v, g, beta))
     G = g.cumsum(-1)
     idx = torch.arange(chunk_size, device=q.device)
     causal = idx[:, None] >= idx[None, :]

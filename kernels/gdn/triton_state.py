@@ -19,17 +19,21 @@ from .triton_wy import ChunkLayout, full_key_block, value_block
 @triton.jit
 def state_passing_kernel(
     k, w, u, G, hs, v_new, h0, ht, cu_seqlens, chunk_offsets,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PER_K: tl.constexpr,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+    BS: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PER_K: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
-    """Per chunk: save h, v_new = u - w h, h = exp(G_last) h + (k exp(G_last - G))^T v_new."""
+    """Per chunk: save h, v_new = u - w h, h = exp(G_last) h + (k exp(G_last - G))^T v_new.
+
+    A chunk is read BS rows at a time (small tiles keep shared memory low for large K): every
+    row's v_new uses the chunk's entering h, and the update is a sum over rows.
+    """
     i_n, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_kh = i_h // (HV // H)
     bos = tl.load(cu_seqlens + i_n)
     eos = tl.load(cu_seqlens + i_n + 1)
     first = tl.load(chunk_offsets + i_n)
-    o_t = tl.arange(0, BT)
+    o_s = tl.arange(0, BS)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_k, m_v = o_k < K, o_v < V
@@ -40,30 +44,35 @@ def state_passing_kernel(
         b_h += tl.load(h0 + (i_n * HV + i_h).to(tl.int64) * K * V + tile, mask=m_h, other=0.0)
     for i_c in range(tl.cdiv(eos - bos, BT)):
         start = bos + i_c * BT
-        rows = start + o_t
-        m_t = rows < eos
         tl.store(hs + ((first + i_c) * HV + i_h) * K * V + tile, b_h, mask=m_h)
-        m_tk = m_t[:, None] & m_k[None, :]
-        m_tv = m_t[:, None] & m_v[None, :]
-        b_w = tl.load(w + (rows[:, None] * HV + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
-        offs_v = (rows[:, None] * HV + i_h) * V + o_v[None, :]
-        b_u = tl.load(u + offs_v, mask=m_tv, other=0.0)
-        b_vn = b_u - tl.dot(b_w, b_h, input_precision=PREC)
-        tl.store(v_new + offs_v, b_vn, mask=m_tv)
         last = tl.minimum(start + BT, eos) - 1
-        b_k = tl.load(k + (rows[:, None] * H + i_kh) * K + o_k[None, :], mask=m_tk, other=0.0)
-        b_k = b_k.to(tl.float32)
         if PER_K:
             b_glast = tl.load(G + (last * HV + i_h) * K + o_k, mask=m_k, other=0.0)
-            b_G = tl.load(G + (rows[:, None] * HV + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
-            b_k = b_k * tl.exp(tl.where(m_tk, b_glast[None, :] - b_G, 0.0))
-            b_h = b_h * tl.exp(b_glast)[:, None]
+            b_next = b_h * tl.exp(b_glast)[:, None]
         else:
             b_glast = tl.load(G + last * HV + i_h)
-            b_G = tl.load(G + rows * HV + i_h, mask=m_t, other=0.0)
-            b_k = b_k * tl.exp(tl.where(m_t, b_glast - b_G, 0.0))[:, None]
-            b_h = b_h * tl.exp(b_glast)
-        b_h += tl.dot(tl.trans(b_k), b_vn, input_precision=PREC)
+            b_next = b_h * tl.exp(b_glast)
+        for i_s in range(BT // BS):
+            rows = start + i_s * BS + o_s
+            m_t = rows < eos
+            m_tk = m_t[:, None] & m_k[None, :]
+            m_tv = m_t[:, None] & m_v[None, :]
+            b_w = tl.load(w + (rows[:, None] * HV + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
+            offs_v = (rows[:, None] * HV + i_h) * V + o_v[None, :]
+            b_u = tl.load(u + offs_v, mask=m_tv, other=0.0)
+            b_vn = b_u - tl.dot(b_w, b_h, input_precision=PREC)
+            tl.store(v_new + offs_v, b_vn, mask=m_tv)
+            b_k = tl.load(k + (rows[:, None] * H + i_kh) * K + o_k[None, :], mask=m_tk, other=0.0)
+            b_k = b_k.to(tl.float32)
+            if PER_K:
+                offs_g = (rows[:, None] * HV + i_h) * K + o_k[None, :]
+                b_G = tl.load(G + offs_g, mask=m_tk, other=0.0)
+                b_k = b_k * tl.exp(tl.where(m_tk, b_glast[None, :] - b_G, 0.0))
+            else:
+                b_G = tl.load(G + rows * HV + i_h, mask=m_t, other=0.0)
+                b_k = b_k * tl.exp(tl.where(m_t, b_glast - b_G, 0.0))[:, None]
+            b_next += tl.dot(tl.trans(b_k), b_vn, input_precision=PREC)
+        b_h = b_next
     if STORE_FINAL:
         tl.store(ht + (i_n * HV + i_h).to(tl.int64) * K * V + tile, b_h, mask=m_h)
 
@@ -77,12 +86,13 @@ def state_passing(k, w, u, G, initial_state, output_final_state, layout: ChunkLa
     final = None
     if output_final_state:
         final = torch.empty(layout.num_seqs, HV, K, V, dtype=torch.float32, device=u.device)
-    BV = value_block(V)
+    BK = full_key_block(K)
+    BV = min(32, value_block(V))
     state_passing_kernel[(layout.num_seqs, HV, triton.cdiv(V, BV))](
         k, w, u, G, hs, v_new, initial_state, final, layout.cu_seqlens, layout.chunk_offsets,
-        H=H, HV=HV, K=K, V=V, BT=layout.chunk_size, BK=full_key_block(K), BV=BV,
-        PER_K=G.ndim == 3, HAS_H0=initial_state is not None, STORE_FINAL=final is not None,
-        PREC=prec,
+        H=H, HV=HV, K=K, V=V, BT=layout.chunk_size, BS=min(layout.chunk_size, 16 if BK > 128 else 32),
+        BK=BK, BV=BV, PER_K=G.ndim == 3, HAS_H0=initial_state is not None,
+        STORE_FINAL=final is not None, PREC=prec, num_stages=2,
     )  # fmt: skip
     return hs, v_new, final
 

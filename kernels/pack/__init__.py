@@ -35,10 +35,9 @@ def gather_ranges(
     else:
         _check_flat("out", out, src.device, total)
     if use_triton(src, out):
-        from kernels.pack.triton import copy_ranges_triton, word_size
+        from kernels.pack.triton import copy_ranges_triton
 
-        word = word_size(alignment | src.data_ptr() | out.data_ptr())
-        copy_ranges_triton(src, out, offsets, _starts(lengths), lengths, word)
+        copy_ranges_triton(src, out, offsets, _starts(lengths), lengths, alignment)
         return out
     return gather_ranges_naive(src, offsets, lengths, out)
 
@@ -54,10 +53,9 @@ def scatter_ranges(
     total, alignment = _check_ranges("dst", dst, offsets, lengths, overlap_ok=False)
     _check_flat("staging", staging, dst.device, total)
     if use_triton(staging, dst):
-        from kernels.pack.triton import copy_ranges_triton, word_size
+        from kernels.pack.triton import copy_ranges_triton
 
-        word = word_size(alignment | staging.data_ptr() | dst.data_ptr())
-        copy_ranges_triton(staging, dst, _starts(lengths), offsets, lengths, word)
+        copy_ranges_triton(staging, dst, _starts(lengths), offsets, lengths, alignment)
         return
     scatter_ranges_naive(staging, dst, offsets, lengths)
 
@@ -121,7 +119,7 @@ def _check_ranges(
 ) -> tuple[int, int]:
     """Validate byte ranges of arena with one device-to-host read.
 
-    Returns (total bytes, alignment): alignment is the largest of 8, 4, 2, 1 that
+    Returns (total bytes, alignment): alignment is the largest of 16, 8, 4, 2, 1 that
     divides every offset and length.
     """
     _check_flat(name, arena, arena.device, None)
@@ -138,12 +136,12 @@ def _check_ranges(
             f"and {tuple(lengths.shape)}"
         )
     if len(offsets) == 0:
-        return 0, 8
+        return 0, 16
     lengths = lengths.to(offsets.device)
     ends = offsets + lengths
     bits = offsets | lengths
     stats = [offsets.min(), lengths.min(), ends.max(), lengths.sum()]
-    stats += [(bits % w == 0).all() for w in (8, 4, 2)]
+    stats += [(bits % w == 0).all() for w in (16, 8, 4, 2)]
     if not overlap_ok:
         order = torch.argsort(offsets)
         starts, nonempty = offsets[order], lengths[order] > 0
@@ -159,15 +157,13 @@ def _check_ranges(
         raise ValueError(
             f"offsets + lengths: range end {max_end} past {name} of {arena.numel()} bytes"
         )
-    if not overlap_ok and stats[7]:
+    if not overlap_ok and stats[8]:
         raise ValueError(f"offsets, lengths: destination ranges in {name} overlap")
-    alignment = next((w for w, ok in zip((8, 4, 2), stats[4:7]) if ok), 1)
+    alignment = next((w for w, ok in zip((16, 8, 4, 2), stats[4:8], strict=True) if ok), 1)
     return total, alignment
 
 
-def _check_flat(
-    name: str, tensor: torch.Tensor, device: torch.device, numel: int | None
-) -> None:
+def _check_flat(name: str, tensor: torch.Tensor, device: torch.device, numel: int | None) -> None:
     if tensor.dtype != torch.uint8 or tensor.dim() != 1 or not tensor.is_contiguous():
         raise ValueError(
             f"{name}: expected contiguous uint8 [N], got {tensor.dtype} shape {tuple(tensor.shape)}"

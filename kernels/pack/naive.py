@@ -10,7 +10,7 @@ def gather_ranges_naive(
 ) -> torch.Tensor:
     """Copy src[offsets[r] : offsets[r] + lengths[r]] for each r, in order, into out."""
     position = 0
-    for offset, length in zip(offsets.tolist(), lengths.tolist()):
+    for offset, length in zip(offsets.tolist(), lengths.tolist(), strict=True):
         out[position : position + length] = src[offset : offset + length]
         position += length
     return out
@@ -21,7 +21,7 @@ def scatter_ranges_naive(
 ) -> None:
     """The inverse of gather_ranges_naive: consecutive pieces of staging go to dst ranges."""
     position = 0
-    for offset, length in zip(offsets.tolist(), lengths.tolist()):
+    for offset, length in zip(offsets.tolist(), lengths.tolist(), strict=True):
         dst[offset : offset + length] = staging[position : position + length]
         position += length
 
@@ -35,7 +35,11 @@ def gather_blocks_naive(
 
 
 def scatter_blocks_naive(
-    staging: torch.Tensor, cache: torch.Tensor, block_ids: torch.Tensor, head_start: int, head_end: int
+    staging: torch.Tensor,
+    cache: torch.Tensor,
+    block_ids: torch.Tensor,
+    head_start: int,
+    head_end: int,
 ) -> None:
     """cache[block_ids, :, heads] = staging, in place (cache may be a strided view)."""
     cache[block_ids.to(cache.device), :, head_start:head_end] = staging

@@ -25,12 +25,14 @@ def _copy_pieces_kernel(
     src_starts,  # [P] int64, in words
     dst_starts,  # [P] int64, in words
     piece_words,  # [P] int64
+    VEC: tl.constexpr,  # every start and count is a multiple of VEC words (16-byte alignment)
     BLOCK: tl.constexpr,
 ):
     piece = tl.program_id(0).to(tl.int64)
-    src_start = tl.load(src_starts + piece)
-    dst_start = tl.load(dst_starts + piece)
-    count = tl.load(piece_words + piece)
+    # the hints let the compiler emit 16-byte vector loads and stores
+    src_start = tl.multiple_of(tl.load(src_starts + piece), VEC)
+    dst_start = tl.multiple_of(tl.load(dst_starts + piece), VEC)
+    count = tl.multiple_of(tl.load(piece_words + piece), VEC)
     for i in tl.range(0, count, BLOCK):
         offs = i + tl.arange(0, BLOCK).to(tl.int64)
         mask = offs < count
@@ -42,7 +44,7 @@ def _copy_blocks_kernel(
     src,
     dst,
     block_ids,  # [n] int64
-    heads_x_dim,  # (head_end - head_start) * head_dim
+    num_heads,  # head_end - head_start
     head_dim,
     block_size,
     s_src0,
@@ -55,7 +57,7 @@ def _copy_blocks_kernel(
     s_dst3,
     GATHER: tl.constexpr,  # True: src is the cache (indexed by block id), dst the staging
     BLOCK_T: tl.constexpr,
-    BLOCK_J: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     i = tl.program_id(0).to(tl.int64)
     i_t = tl.program_id(1).to(tl.int64)
@@ -66,18 +68,13 @@ def _copy_blocks_kernel(
     t_mask = t < block_size
     src_rows = src + src_block * s_src0 + t[:, None] * s_src1
     dst_rows = dst + dst_block * s_dst0 + t[:, None] * s_dst1
-    for j0 in tl.range(0, heads_x_dim, BLOCK_J):
-        j = j0 + tl.arange(0, BLOCK_J).to(tl.int64)
-        head = j // head_dim
-        e = j % head_dim
-        mask = t_mask[:, None] & (j < heads_x_dim)[None, :]
-        values = tl.load(src_rows + (head * s_src2 + e * s_src3)[None, :], mask=mask)
-        tl.store(dst_rows + (head * s_dst2 + e * s_dst3)[None, :], values, mask=mask)
-
-
-def word_size(alignment: int) -> int:
-    """The widest word (8, 4, 2 or 1 bytes) that divides `alignment`."""
-    return next(w for w in (8, 4, 2, 1) if alignment % w == 0)
+    for h in tl.range(0, num_heads):
+        head = tl.cast(h, tl.int64)
+        for d0 in tl.range(0, head_dim, BLOCK_D):
+            e = d0 + tl.arange(0, BLOCK_D).to(tl.int64)
+            mask = t_mask[:, None] & (e < head_dim)[None, :]
+            values = tl.load(src_rows + head * s_src2 + e[None, :] * s_src3, mask=mask)
+            tl.store(dst_rows + head * s_dst2 + e[None, :] * s_dst3, values, mask=mask)
 
 
 def copy_ranges_triton(
@@ -86,13 +83,16 @@ def copy_ranges_triton(
     src_offsets: torch.Tensor,
     dst_offsets: torch.Tensor,
     lengths: torch.Tensor,
-    word: int,
+    alignment: int,
 ) -> None:
     """Copy src[src_offsets[r] :+ lengths[r]] to dst[dst_offsets[r] :+ lengths[r]] (uint8 [N]).
 
-    `word` (8, 4, 2 or 1) divides every offset, length and both base addresses; the
-    copy then moves whole words.
+    `alignment` (a power of two) divides every offset and length; with the base
+    addresses it picks the widest word (up to 8 bytes) and 16-byte vectors.
     """
+    lowest = alignment | src.data_ptr() | dst.data_ptr()
+    word = next(w for w in (8, 4, 2, 1) if lowest % w == 0)
+    vec = 2 if lowest % 16 == 0 else 1
     device = src.device
     lengths = lengths.to(device) // word
     counts = (lengths + CHUNK_WORDS - 1) // CHUNK_WORDS
@@ -107,7 +107,7 @@ def copy_ranges_triton(
     src_words = src[: src.numel() // word * word].view(INT_DTYPES[word])
     dst_words = dst[: dst.numel() // word * word].view(INT_DTYPES[word])
     _copy_pieces_kernel[(len(owner),)](
-        src_words, dst_words, src_starts, dst_starts, piece_words, BLOCK=BLOCK_WORDS
+        src_words, dst_words, src_starts, dst_starts, piece_words, VEC=vec, BLOCK=BLOCK_WORDS
     )
 
 
@@ -122,8 +122,7 @@ def copy_blocks_triton(
     """gather: staging[i] = cache[block_ids[i], :, heads]; else the reverse. Bit-exact."""
     num_ids = len(block_ids)
     block_size, head_dim = cache.shape[1], cache.shape[3]
-    heads_x_dim = (head_end - head_start) * head_dim
-    if num_ids == 0 or heads_x_dim == 0:
+    if num_ids == 0:
         return
     as_int = INT_DTYPES[cache.element_size()]
     heads = cache[:, :, head_start:head_end].view(as_int)
@@ -133,8 +132,8 @@ def copy_blocks_triton(
     grid = (num_ids, triton.cdiv(block_size, block_t))
     _copy_blocks_kernel[grid](
         src, dst, block_ids.to(device=cache.device, dtype=torch.int64),
-        heads_x_dim, head_dim, block_size, *src.stride(), *dst.stride(),
+        head_end - head_start, head_dim, block_size, *src.stride(), *dst.stride(),
         GATHER=gather,
         BLOCK_T=block_t,
-        BLOCK_J=min(triton.next_power_of_2(heads_x_dim), 256),
+        BLOCK_D=min(triton.next_power_of_2(head_dim), 256),
     )  # fmt: skip

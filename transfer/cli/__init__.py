@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from transfer.cli import bench, plan, serve
+from transfer.cli import bench, launch, plan, serve
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -17,7 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (plan, serve, bench):
+    for module in (plan, serve, launch, bench):
         module.register(subparsers)
     return parser
 

@@ -19,4 +19,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _benchmarks() -> list:
     # Benchmark modules import their heavy dependencies (transports, Triton) inside
     # their run functions, so building this parser stays cheap.
-    return []
+    from kernels import bench as kernels_bench
+    from transfer.bench import control as control_bench
+    from transfer.bench import transport as transport_bench
+
+    return [kernels_bench.register, control_bench.register, transport_bench.register]

@@ -52,6 +52,13 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--instance-id", default=None, help="name of this instance (default: host:port)"
     )
+    parser.add_argument(
+        "--dump-dir",
+        metavar="PATH",
+        default=None,
+        help="write each request's per-rank caches here (prefill: after prefill, decode: "
+        "right after the transfer) for `pdxfer launch --verify`; off by default",
+    )
     dist = parser.add_argument_group("multi-node TP")
     dist.add_argument("--nnodes", type=int, default=1, help="nodes this instance's TP spans")
     dist.add_argument("--node-rank", type=int, default=0, help="this node's index (0 = leader)")

@@ -59,12 +59,16 @@ def ticket_from_pb(m: transfer_pb2.Ticket, prefix: str = "") -> Ticket:
 
 
 def handshake_request_to_pb(r: HandshakeRequest) -> transfer_pb2.HandshakeRequest:
-    return transfer_pb2.HandshakeRequest(instance_id=r.instance_id, compat=dict(r.compat), compat_hash=r.compat_hash)
+    return transfer_pb2.HandshakeRequest(
+        instance_id=r.instance_id, compat=dict(r.compat), compat_hash=r.compat_hash
+    )
 
 
 def handshake_request_from_pb(m: transfer_pb2.HandshakeRequest) -> HandshakeRequest:
     validate_id(m.instance_id, "instance_id")
-    return HandshakeRequest(instance_id=m.instance_id, compat=dict(m.compat), compat_hash=m.compat_hash)
+    return HandshakeRequest(
+        instance_id=m.instance_id, compat=dict(m.compat), compat_hash=m.compat_hash
+    )
 
 
 def handshake_reply_to_pb(r: HandshakeReply) -> transfer_pb2.HandshakeReply:
@@ -88,21 +92,29 @@ def handshake_reply_from_pb(m: transfer_pb2.HandshakeReply) -> HandshakeReply:
 
 
 def prefill_request_to_pb(r: PrefillRequest) -> worker_pb2.PrefillRequest:
-    return worker_pb2.PrefillRequest(request_id=r.request_id, prompt_ids=list(r.prompt_ids), max_tokens=r.max_tokens)
+    return worker_pb2.PrefillRequest(
+        request_id=r.request_id, prompt_ids=list(r.prompt_ids), max_tokens=r.max_tokens
+    )
 
 
 def prefill_request_from_pb(m: worker_pb2.PrefillRequest) -> PrefillRequest:
     _check_prompt(m.request_id, m.prompt_ids, m.max_tokens)
-    return PrefillRequest(request_id=m.request_id, prompt_ids=tuple(m.prompt_ids), max_tokens=m.max_tokens)
+    return PrefillRequest(
+        request_id=m.request_id, prompt_ids=tuple(m.prompt_ids), max_tokens=m.max_tokens
+    )
 
 
 def generate_request_to_pb(r: GenerateRequest) -> worker_pb2.GenerateRequest:
-    return worker_pb2.GenerateRequest(request_id=r.request_id, prompt_ids=list(r.prompt_ids), max_tokens=r.max_tokens)
+    return worker_pb2.GenerateRequest(
+        request_id=r.request_id, prompt_ids=list(r.prompt_ids), max_tokens=r.max_tokens
+    )
 
 
 def generate_request_from_pb(m: worker_pb2.GenerateRequest) -> GenerateRequest:
     _check_prompt(m.request_id, m.prompt_ids, m.max_tokens)
-    return GenerateRequest(request_id=m.request_id, prompt_ids=tuple(m.prompt_ids), max_tokens=m.max_tokens)
+    return GenerateRequest(
+        request_id=m.request_id, prompt_ids=tuple(m.prompt_ids), max_tokens=m.max_tokens
+    )
 
 
 def decode_request_to_pb(r: DecodeRequest) -> worker_pb2.DecodeRequest:

@@ -29,11 +29,10 @@ class ControlError(Exception):
     `code` is the gRPC status code name (e.g. "NOT_FOUND"); `details` the server's message.
     """
 
-    def __init__(self, code: str, details: str, method: str = ""):
-        super().__init__(f"{method + ': ' if method else ''}{code}: {details}")
+    def __init__(self, code: str, details: str):
+        super().__init__(f"{code}: {details}")
         self.code = code
         self.details = details
-        self.method = method
 
 
 def status_code_name(exc: BaseException) -> str:

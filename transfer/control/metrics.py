@@ -12,9 +12,31 @@ import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+    start_http_server,
+)
 
-TRANSFER_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+TRANSFER_SECONDS_BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
 
 
 class WorkerMetrics:
@@ -23,23 +45,43 @@ class WorkerMetrics:
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
-        self.kv_blocks_free = Gauge("pdxfer_kv_blocks_free", "KV cache blocks free in this worker's pool", registry=r)
-        self.kv_blocks_total = Gauge("pdxfer_kv_blocks_total", "KV cache blocks in this worker's pool", registry=r)
-        self.state_slots_free = Gauge("pdxfer_state_slots_free", "Linear-attention state slots free", registry=r)
-        self.state_slots_total = Gauge("pdxfer_state_slots_total", "Linear-attention state slots in the pool", registry=r)
-        self.tickets_active = Gauge("pdxfer_tickets_active", "Published tickets not yet freed", registry=r)
+        self.kv_blocks_free = Gauge(
+            "pdxfer_kv_blocks_free", "KV cache blocks free in this worker's pool", registry=r
+        )
+        self.kv_blocks_total = Gauge(
+            "pdxfer_kv_blocks_total", "KV cache blocks in this worker's pool", registry=r
+        )
+        self.state_slots_free = Gauge(
+            "pdxfer_state_slots_free", "Linear-attention state slots free", registry=r
+        )
+        self.state_slots_total = Gauge(
+            "pdxfer_state_slots_total", "Linear-attention state slots in the pool", registry=r
+        )
+        self.tickets_active = Gauge(
+            "pdxfer_tickets_active", "Published tickets not yet freed", registry=r
+        )
         self.leases_expired = Counter(
             "pdxfer_leases_expired", "Tickets freed because their lease expired", registry=r
         )
-        self.transfers = Counter("pdxfer_transfers", "Finished cache transfers by status", ["status"], registry=r)
+        self.transfers = Counter(
+            "pdxfer_transfers", "Finished cache transfers by status", ["status"], registry=r
+        )
         self.transfer_bytes = Counter(
-            "pdxfer_transfer_bytes", "Bytes moved by cache transfers, by kind (kv, state)", ["kind"], registry=r
+            "pdxfer_transfer_bytes",
+            "Bytes moved by cache transfers, by kind (kv, state)",
+            ["kind"],
+            registry=r,
         )
         self.transfer_descriptors = Counter(
-            "pdxfer_transfer_descriptors", "Transport descriptors posted by cache transfers", registry=r
+            "pdxfer_transfer_descriptors",
+            "Transport descriptors posted by cache transfers",
+            registry=r,
         )
         self.transfer_seconds = Histogram(
-            "pdxfer_transfer_seconds", "Wall time of one cache transfer", buckets=TRANSFER_SECONDS_BUCKETS, registry=r
+            "pdxfer_transfer_seconds",
+            "Wall time of one cache transfer",
+            buckets=TRANSFER_SECONDS_BUCKETS,
+            registry=r,
         )
 
     def track_pools(
@@ -57,19 +99,25 @@ class WorkerMetrics:
         self.state_slots_total.set_function(state_slots_total)
 
     def record_transfer(
-        self, status: str, seconds: float, bytes_by_kind: Mapping[str, int] | None = None, descriptors: int = 0
+        self,
+        status: str,
+        seconds: float,
+        bytes_by_kind: Mapping[str, int] | None = None,
+        descriptors: int = 0,
     ) -> None:
-        """Count one finished transfer (status e.g. "done" / "failed")."""
+        """Count one finished transfer (status e.g. "done" / "failed"); a rejected call counts nothing."""
+        bytes_by_kind = dict(bytes_by_kind or {})
         if not status:
             raise ValueError("status: must be a non-empty string")
         if seconds < 0 or descriptors < 0:
             raise ValueError(f"seconds/descriptors: must be >= 0, got {seconds}, {descriptors}")
+        for kind, nbytes in bytes_by_kind.items():
+            if nbytes < 0:
+                raise ValueError(f"bytes_by_kind[{kind!r}]: must be >= 0, got {nbytes}")
         self.transfers.labels(status=status).inc()
         self.transfer_seconds.observe(seconds)
         self.transfer_descriptors.inc(descriptors)
-        for kind, nbytes in (bytes_by_kind or {}).items():
-            if nbytes < 0:
-                raise ValueError(f"bytes_by_kind[{kind!r}]: must be >= 0, got {nbytes}")
+        for kind, nbytes in bytes_by_kind.items():
             self.transfer_bytes.labels(kind=kind).inc(nbytes)
 
     def render(self) -> bytes:

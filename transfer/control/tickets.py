@@ -31,7 +31,14 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from transfer.control.errors import TicketStateError, UnknownRequest
-from transfer.control.types import ControlConfig, FreeReason, Ticket, validate_blocks, validate_id, validate_ticket_fields
+from transfer.control.types import (
+    ControlConfig,
+    FreeReason,
+    Ticket,
+    validate_blocks,
+    validate_id,
+    validate_ticket_fields,
+)
 
 if TYPE_CHECKING:
     from transfer.control.metrics import WorkerMetrics
@@ -109,7 +116,9 @@ class TicketStore:
             if request_id in self._live:
                 raise ValueError(f"request_id: {request_id!r} already has a live ticket")
             if slot_id in self._slots:
-                raise ValueError(f"slot_id: slot {slot_id} is held by live ticket {self._slots[slot_id]!r}")
+                raise ValueError(
+                    f"slot_id: slot {slot_id} is held by live ticket {self._slots[slot_id]!r}"
+                )
             ticket = Ticket(
                 request_id=request_id,
                 instance_id=self.instance_id,
@@ -135,7 +144,9 @@ class TicketStore:
         with self._cond:
             live = self._get(request_id)
             if live.holder and live.holder != holder:
-                raise TicketStateError(f"request {request_id!r} is held by {live.holder!r}, not {holder!r}")
+                raise TicketStateError(
+                    f"request {request_id!r} is held by {live.holder!r}, not {holder!r}"
+                )
             live.holder = holder
             return self._renew(live)
 
@@ -147,7 +158,9 @@ class TicketStore:
             live = self._get_held(request_id, holder)
             return self._renew(live)
 
-    def release(self, request_id: str, holder: str, block_ids: tuple[int, ...] | list[int], slot_id: int) -> Ticket:
+    def release(
+        self, request_id: str, holder: str, block_ids: tuple[int, ...] | list[int], slot_id: int
+    ) -> Ticket:
         """The holder has read the cache: free it. `block_ids`/`slot_id` must match the ticket exactly."""
         block_ids = tuple(int(b) for b in block_ids)
         validate_id(request_id, "request_id")
@@ -157,12 +170,18 @@ class TicketStore:
             live = self._get_held(request_id, holder)
             ticket = live.ticket
             if len(block_ids) != len(ticket.block_ids):
-                raise ValueError(f"block_ids: {len(block_ids)} blocks, ticket {request_id!r} has {len(ticket.block_ids)}")
-            for i, (got, want) in enumerate(zip(block_ids, ticket.block_ids)):
+                raise ValueError(
+                    f"block_ids: {len(block_ids)} blocks, ticket {request_id!r} has {len(ticket.block_ids)}"
+                )
+            for i, (got, want) in enumerate(zip(block_ids, ticket.block_ids, strict=True)):
                 if got != want:
-                    raise ValueError(f"block_ids[{i}]: {got} does not match ticket {request_id!r} (block {want})")
+                    raise ValueError(
+                        f"block_ids[{i}]: {got} does not match ticket {request_id!r} (block {want})"
+                    )
             if slot_id != ticket.slot_id:
-                raise ValueError(f"slot_id: {slot_id} does not match ticket {request_id!r} (slot {ticket.slot_id})")
+                raise ValueError(
+                    f"slot_id: {slot_id} does not match ticket {request_id!r} (slot {ticket.slot_id})"
+                )
             self._remove(live, FreeReason.RELEASED)
         self._on_free(ticket, FreeReason.RELEASED)
         return ticket
@@ -192,13 +211,17 @@ class TicketStore:
                 self._remove(live, FreeReason.EXPIRED)
                 expired.append(live.ticket)
             if len(self._heap) > 2 * len(self._live) + 64:
-                self._heap = [(lv.ticket.lease_deadline, lv.seq, rid) for rid, lv in self._live.items()]
+                self._heap = [
+                    (lv.ticket.lease_deadline, lv.seq, rid) for rid, lv in self._live.items()
+                ]
                 heapq.heapify(self._heap)
             self.expired_total += len(expired)
         if expired and self._metrics is not None:
             self._metrics.leases_expired.inc(len(expired))
         for ticket in expired:
-            logger.warning("lease expired for request %r (holder gone?); freeing its cache", ticket.request_id)
+            logger.warning(
+                "lease expired for request %r (holder gone?); freeing its cache", ticket.request_id
+            )
             try:
                 self._on_free(ticket, FreeReason.EXPIRED)
             except Exception:
@@ -211,7 +234,9 @@ class TicketStore:
             if self._reaper is not None:
                 raise RuntimeError("reaper already started")
             self._stopping = False
-            self._reaper = threading.Thread(target=self._reap_loop, name="pdxfer-lease-reaper", daemon=True)
+            self._reaper = threading.Thread(
+                target=self._reap_loop, name="pdxfer-lease-reaper", daemon=True
+            )
         self._reaper.start()
         return self
 

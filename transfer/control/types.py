@@ -43,7 +43,11 @@ class ControlConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: must be a positive int, got {value!r}")
-        if not (isinstance(self.lease_s, (int, float)) and math.isfinite(self.lease_s) and self.lease_s > 0):
+        if not (
+            isinstance(self.lease_s, (int, float))
+            and math.isfinite(self.lease_s)
+            and self.lease_s > 0
+        ):
             raise ValueError(f"lease_s: must be a positive number of seconds, got {self.lease_s!r}")
 
 
@@ -117,7 +121,9 @@ class TokenEvent:
     descriptors: int = 0
 
 
-def make_compat(*, geometry: str, dtypes: str, block_size: int, layout_version: str | int, **extra: str) -> dict[str, str]:
+def make_compat(
+    *, geometry: str, dtypes: str, block_size: int, layout_version: str | int, **extra: str
+) -> dict[str, str]:
     """The compatibility fields of this build; the caller names its geometry and dtypes, the wire version is ours."""
     fields = {
         "geometry": str(geometry),
@@ -158,7 +164,9 @@ def validate_id(value: str, name: str) -> None:
 def validate_blocks(block_ids: tuple[int, ...], slot_id: int, config: ControlConfig) -> None:
     """Range and uniqueness of a ticket's block ids and slot id."""
     if len(block_ids) > config.max_blocks_per_request:
-        raise ValueError(f"block_ids: {len(block_ids)} blocks exceed max_blocks_per_request={config.max_blocks_per_request}")
+        raise ValueError(
+            f"block_ids: {len(block_ids)} blocks exceed max_blocks_per_request={config.max_blocks_per_request}"
+        )
     seen: set[int] = set()
     for i, block in enumerate(block_ids):
         if not 0 <= block < config.num_kv_blocks:
@@ -171,7 +179,12 @@ def validate_blocks(block_ids: tuple[int, ...], slot_id: int, config: ControlCon
 
 
 def validate_ticket_fields(
-    request_id: str, block_ids: tuple[int, ...], slot_id: int, num_tokens: int, first_token: int, config: ControlConfig
+    request_id: str,
+    block_ids: tuple[int, ...],
+    slot_id: int,
+    num_tokens: int,
+    first_token: int,
+    config: ControlConfig,
 ) -> None:
     """Everything a prefill must get right before its ticket is published."""
     validate_id(request_id, "request_id")

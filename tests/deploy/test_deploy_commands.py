@@ -1,0 +1,86 @@
+"""Every `pdxfer ...` command line in the rendered manifests, expanded as the kubelet
+expands `$(VAR)`, parses with the real CLI, and agrees with the pod around it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from k8s_manifests import CommandLine, command_lines, parse_pdxfer
+
+from transfer.presets import load_geometry
+
+GPU = "nvidia.com/gpu"
+
+
+def _parse_all(objects) -> tuple[list[tuple[CommandLine, Any]], list[str]]:
+    parsed, errors = [], []
+    for line in command_lines(objects):
+        if line.missing:
+            errors.append(f"{line.label}: undefined references {sorted(set(line.missing))}")
+            continue
+        try:
+            parsed.append((line, parse_pdxfer(line.argv)))
+        except ValueError as exc:
+            errors.append(f"{line.label}: {exc}")
+    return parsed, errors
+
+
+def _parsed(objects) -> list[tuple[CommandLine, Any]]:
+    """The command lines that parse; test_every_command_line_parses reports the others."""
+    return _parse_all(objects)[0]
+
+
+def _gpus(line: CommandLine) -> int:
+    resources = line.container.get("resources", {})
+    requested = int(resources.get("requests", {}).get(GPU, 0))
+    assert requested == int(resources.get("limits", {}).get(GPU, 0)), line.label
+    return requested
+
+
+def test_every_command_line_parses(objects):
+    parsed, errors = _parse_all(objects)
+    assert not errors, "\n".join(errors)
+    assert parsed
+
+
+def test_serve_roles_match_pod_components(objects):
+    for line, args in _parsed(objects):
+        if args.command == "serve":
+            component = line.pod.labels["app.kubernetes.io/component"]
+            assert component.removesuffix("-worker") == args.role, line.label
+
+
+def test_gpus_match_tensor_parallel_ranks(objects):
+    """One GPU per TP rank on each node, and a TP the model's heads allow."""
+    for line, args in _parsed(objects):
+        gpus = _gpus(line)
+        if args.command == "serve" and args.role == "router":
+            assert gpus == 0, line.label
+        elif args.command == "serve":
+            assert args.device == "cuda" and gpus * args.nnodes == args.tp, (
+                f"{line.label}: {gpus} GPU(s) x {args.nnodes} node(s) for --tp {args.tp}"
+            )
+            load_geometry(args.model, args.hf_config).check_tp(args.tp)
+        elif args.command == "bench":
+            geometry = load_geometry(args.model)
+            for tp in (args.prefill_tp, args.decode_tp):
+                geometry.check_tp(tp)
+                assert gpus >= tp, f"{line.label}: {gpus} GPU(s) for TP {tp}"
+
+
+def test_multi_node_ranks_cover_each_group(objects):
+    """Within a LeaderWorkerSet group the node ranks are 0..nnodes-1, leader first."""
+    ranks: dict[str, list[int]] = {}
+    for line, args in _parsed(objects):
+        if args.command == "serve" and line.pod.owner["kind"] == "LeaderWorkerSet":
+            assert args.nnodes == line.pod.owner["spec"]["leaderWorkerTemplate"]["size"]
+            assert (args.node_rank == 0) == line.pod.name.endswith(" leader"), line.label
+            ranks.setdefault(line.pod.owner["metadata"]["name"], []).append(args.node_rank)
+    for name, seen in ranks.items():
+        assert sorted(seen) == list(range(len(seen))), (name, seen)
+
+
+def test_bench_job_runs_both_sides(objects):
+    lines = [line for line in command_lines(objects) if line.argv[1:3] == ("bench", "transfer")]
+    sides = sorted(parse_pdxfer(line.argv).node_rank for line in lines)
+    assert sides in ([], [0, 1])

@@ -1,0 +1,124 @@
+"""Output of `pdxfer bench transfer`: the text table, the CSV and the plot."""
+
+from __future__ import annotations
+
+import csv
+from collections.abc import Sequence
+
+CSV_COLUMNS = (
+    "model",
+    "layers",
+    "transport",
+    "nodes",
+    "prefill_tp",
+    "decode_tp",
+    "tokens",
+    "bytes",
+    "kv_bytes",
+    "state_bytes",
+    "median_ms",
+    "p99_ms",
+    "gbps",
+    "raw_median_ms",
+    "raw_p99_ms",
+    "raw_gbps",
+    "naive_median_ms",
+    "naive_p99_ms",
+    "naive_gbps",
+    "efficiency",
+    "speedup",
+    "descriptors",
+    "raw_descriptors",
+    "naive_descriptors",
+    "staged_sources",
+)
+
+
+def _rows(report: dict) -> list[dict]:
+    fixed = {k: report[k] for k in ("model", "layers", "transport", "nodes")}
+    return [{**fixed, **result} for result in report["results"]]
+
+
+def write_csv(report: dict, path: str) -> None:
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        for row in _rows(report):
+            writer.writerow({k: f"{v:.4g}" if isinstance(v, float) else v for k, v in row.items()})
+
+
+def format_table(report: dict) -> str:
+    lines = [
+        f"pdxfer bench transfer: {report['model']} ({report['layers']} of {report['model_layers']} "
+        f"cache layers), {report['transport']}, {report['nodes']}, block size {report['block_size']}, "
+        f"{report['repeats']} repeats",
+        f"{'P':>2} {'D':>2} {'tokens':>7} {'bytes':>10} {'median':>9} {'p99':>9} {'GB/s':>6} "
+        f"{'raw':>6} {'naive':>6} {'eff':>5} {'speedup':>7} {'desc':>6} {'naive desc':>10}",
+    ]
+    for r in report["results"]:
+        lines.append(
+            f"{r['prefill_tp']:>2} {r['decode_tp']:>2} {r['tokens']:>7} {r['bytes'] / 2**20:>6.1f} MiB "
+            f"{r['median_ms']:>6.1f} ms {r['p99_ms']:>6.1f} ms {r['gbps']:>6.2f} {r['raw_gbps']:>6.2f} "
+            f"{r['naive_gbps']:>6.2f} {r['efficiency']:>5.2f} {r['speedup']:>6.2f}x "
+            f"{r['descriptors']:>6} {r['naive_descriptors']:>10}"
+        )
+    control = report.get("control")
+    if control:
+        lines.append(
+            f"control plane (Acquire + Release, loopback): p50 {control['p50_ms']:.3f} ms, "
+            f"p99 {control['p99_ms']:.3f} ms serial; {control['tickets_per_s']:.0f} tickets/s "
+            f"with {control['concurrency']} clients (p99 {control['loaded_p99_ms']:.3f} ms)"
+        )
+    lines.append("GB/s = bytes / median time (1 GB = 1e9 B); eff = ours / raw; speedup = ours / naive")
+    return "\n".join(lines)
+
+
+def _pairs(results: Sequence[dict]) -> list[tuple[int, int]]:
+    return sorted({(r["prefill_tp"], r["decode_tp"]) for r in results})
+
+
+def plot(report: dict, path: str) -> None:
+    """Three panels against tokens: throughput (ours, raw, naive), descriptors (ours,
+    naive), efficiency (with the goals)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = report["results"]
+    fig, (speed, descs, eff) = plt.subplots(1, 3, figsize=(15, 4.6))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (p, d) in enumerate(_pairs(results)):
+        rows = sorted((r for r in results if (r["prefill_tp"], r["decode_tp"]) == (p, d)), key=lambda r: r["tokens"])
+        tokens = [r["tokens"] for r in rows]
+        color, label = colors[i % len(colors)], f"P={p} D={d}"
+        speed.plot(tokens, [r["gbps"] for r in rows], "o-", color=color, label=f"{label} ours")
+        speed.plot(tokens, [r["raw_gbps"] for r in rows], "^--", color=color, label=f"{label} raw")
+        speed.plot(tokens, [r["naive_gbps"] for r in rows], "x:", color=color, label=f"{label} naive")
+        descs.plot(tokens, [r["descriptors"] for r in rows], "o-", color=color, label=f"{label} ours")
+        descs.plot(tokens, [r["naive_descriptors"] for r in rows], "x:", color=color, label=f"{label} naive")
+        eff.plot(tokens, [r["efficiency"] for r in rows], "o-", color=color, label=label)
+    for goal, style in ((0.9, "-"), (0.8, "--")):
+        eff.axhline(goal, color="grey", linestyle=style, linewidth=0.8)
+    for ax, title, ylabel in (
+        (speed, "throughput", "GB/s (median)"),
+        (descs, "descriptors per request", "descriptors"),
+        (eff, "efficiency = ours / raw (goals 0.9, hetero 0.8)", "efficiency"),
+    ):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("tokens")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title, fontsize=10)
+        ax.grid(True, alpha=0.3)
+    descs.set_yscale("log")
+    speed.legend(fontsize=6, ncol=2)
+    descs.legend(fontsize=6, ncol=2)
+    eff.legend(fontsize=7)
+    fig.suptitle(
+        f"{report['model']} ({report['layers']}/{report['model_layers']} layers), "
+        f"{report['transport']}, {report['nodes']}",
+        fontsize=11,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)

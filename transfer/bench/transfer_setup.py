@@ -1,0 +1,207 @@
+"""Pure-data setup of `pdxfer bench transfer`: arena sizing, fragmented allocations, plans.
+
+Nothing here touches a tensor: layouts, pools and plans are values, so the driver builds
+them in-process and ships each rank only the ranges it posts.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from transfer.cache import BlockPool, Layout, LayoutOptions, SlotPool, fragment
+from transfer.geometry import ModelGeometry
+from transfer.packer import StagingPolicy, TransferPlan, TransferRequest, plan_transfer
+
+# After `fragment` (fill 0.7, keep 0.5) about 65% of a pool is free; size pools so the
+# largest request needs at most this share of them.
+FREE_SHARE = 0.6
+SLOTS = 16
+STAGING_HEADROOM = 1 << 20
+# A vLLM-like layout for the naive comparison: per-layer KV regions and state slot arrays.
+NAIVE_OPTIONS = LayoutOptions(kv_order="layer_first", state_placement="per_layer")
+
+
+@dataclass(frozen=True)
+class Instances:
+    """The layouts of both instances: ours (pdxfer defaults) and the vLLM-like ones."""
+
+    prefill: tuple[Layout, ...]
+    decode: tuple[Layout, ...]
+    naive_prefill: tuple[Layout, ...]
+    naive_decode: tuple[Layout, ...]
+
+    def arena_bytes(self, side: str) -> int:
+        """One rank's arena: big enough for both layouts of that side."""
+        ours, naive = (
+            (self.prefill, self.naive_prefill) if side == "prefill" else (self.decode, self.naive_decode)
+        )
+        return max(ours[0].arena_bytes, naive[0].arena_bytes)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.arena_bytes("prefill") * len(self.prefill) + self.arena_bytes("decode") * len(
+            self.decode
+        )
+
+
+def pool_blocks(geometry: ModelGeometry, block_size: int, max_tokens: int) -> int:
+    needed = math.ceil(max_tokens / block_size) if geometry.attention_layers else 0
+    return math.ceil(needed / FREE_SHARE) + 16 if needed else 0
+
+
+def build_instances(
+    geometry: ModelGeometry,
+    prefill_tp: int,
+    decode_tp: int,
+    block_size: int,
+    max_tokens: int,
+    staging_bytes: int = 0,
+) -> Instances:
+    num_blocks = pool_blocks(geometry, block_size, max_tokens)
+
+    def side(tp: int, options: LayoutOptions, staging: int) -> tuple[Layout, ...]:
+        first = Layout(geometry, tp, 0, block_size, num_blocks, SLOTS, options=options, staging_bytes=staging)
+        return first.all_ranks()
+
+    return Instances(
+        side(prefill_tp, LayoutOptions(), staging_bytes),
+        side(decode_tp, LayoutOptions(), staging_bytes),
+        side(prefill_tp, NAIVE_OPTIONS, 0),
+        side(decode_tp, NAIVE_OPTIONS, 0),
+    )
+
+
+def fit_geometry(
+    geometry: ModelGeometry,
+    tp_pairs: Sequence[tuple[int, int]],
+    block_size: int,
+    max_tokens: int,
+    max_arena_bytes: int,
+) -> ModelGeometry:
+    """The most leading layers of `geometry` whose arenas, for the largest request and every
+    TP pair, fit `max_arena_bytes` across all ranks. ValueError when not even one does."""
+
+    def fits(candidate: ModelGeometry) -> bool:
+        return all(
+            build_instances(candidate, p, d, block_size, max_tokens).total_bytes <= max_arena_bytes
+            for p, d in tp_pairs
+        )
+
+    if fits(geometry):
+        return geometry
+    low, high = 0, len(geometry.layers)  # fits(low) is unknown; low=0 means "none"
+    while high - low > 1:
+        mid = (low + high) // 2
+        if fits(geometry.with_num_layers(mid)):
+            low = mid
+        else:
+            high = mid
+    if low == 0:
+        raise ValueError(
+            f"--max-arena-bytes: {max_arena_bytes} B cannot hold even one layer of "
+            f"{geometry.name} at {max_tokens} tokens"
+        )
+    scaled = geometry.with_num_layers(low)
+    if not scaled.attention_layers or not scaled.linear_layers:
+        raise ValueError(
+            f"--max-arena-bytes: only {low} of {geometry.name}'s layers fit at {max_tokens} "
+            "tokens, too few to keep both linear and attention layers; raise the limit"
+        )
+    return scaled
+
+
+def fragmented_request(
+    layout: Layout, num_tokens: int, rng: random.Random
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Block and slot ids of one request on pools fragmented as after serving many requests."""
+    blocks, slots = BlockPool(layout.num_blocks), SlotPool(layout.num_slots)
+    need = layout.blocks_for(num_tokens)
+    for pool, enough in ((blocks, lambda: blocks.num_free >= need), (slots, slots.can_allocate)):
+        held = fragment(pool, rng)
+        while not enough():
+            pool.free(held.pop(rng.randrange(len(held))))
+    return tuple(blocks.allocate(need)), tuple(slots.allocate())
+
+
+def make_request(instances: Instances, num_tokens: int, seed: int) -> TransferRequest:
+    rng = random.Random(seed)
+    src_blocks, src_slots = fragmented_request(instances.prefill[0], num_tokens, rng)
+    dst_blocks, dst_slots = fragmented_request(instances.decode[0], num_tokens, rng)
+    return TransferRequest(num_tokens, src_blocks, src_slots, dst_blocks, dst_slots)
+
+
+def staging_need(instances: Instances, requests: Sequence[TransferRequest]) -> int:
+    """Staging bytes per rank that lets the packer stage what its policy wants to, for
+    every request (each planned alone)."""
+    policy = StagingPolicy()
+    need = 0
+    for request in requests:
+        plans = plan_transfer(instances.prefill, instances.decode, request, StagingPolicy(enabled=False))
+        per_prefill: dict[int, int] = {}
+        for plan in plans:
+            per_decode = 0
+            for source in plan.sources:
+                small = source.wire.lengths < policy.small_bytes
+                if int(small.sum()) >= policy.min_small_ranges:
+                    nbytes = int(source.wire.lengths[small].sum())
+                    per_decode += nbytes
+                    per_prefill[source.prefill_rank] = per_prefill.get(source.prefill_rank, 0) + nbytes
+            need = max(need, per_decode)
+        need = max(need, *per_prefill.values(), 0)
+    return need + STAGING_HEADROOM if need else 0
+
+
+@dataclass(frozen=True, eq=False)
+class Transfers:
+    """What each decode rank posts, per mode, for one request. Per decode rank, a list of
+    `(prefill_rank, src_offsets, dst_offsets, lengths)`; `ours` also keeps the plans."""
+
+    ours: tuple[TransferPlan, ...]
+    ours_direct: tuple[TransferPlan, ...]  # the same bytes unstaged: what to verify
+    raw: tuple[list[tuple[int, np.ndarray, np.ndarray, np.ndarray]], ...]
+    naive: tuple[list[tuple[int, np.ndarray, np.ndarray, np.ndarray]], ...]
+
+    @property
+    def bytes(self) -> int:
+        return sum(plan.wire_bytes for plan in self.ours)
+
+    @property
+    def descriptors(self) -> int:
+        return sum(plan.descriptors for plan in self.ours)
+
+    def count(self, mode: str) -> int:
+        if mode == "ours":
+            return self.descriptors
+        return sum(len(lengths) for rank in getattr(self, mode) for *_, lengths in rank)
+
+    def nbytes(self, mode: str) -> int:
+        if mode == "ours":
+            return self.bytes
+        return sum(int(lengths.sum()) for rank in getattr(self, mode) for *_, lengths in rank)
+
+
+def raw_ranges(plan: TransferPlan) -> list[tuple[int, np.ndarray, np.ndarray, np.ndarray]]:
+    """The ceiling: the bytes this decode rank reads from each prefill rank, as one
+    contiguous range each (from the start of the prefill arena, packed in the decode one)."""
+    out, dst = [], 0
+    for source in plan.sources:
+        n = source.wire_bytes
+        out.append((source.prefill_rank, np.array([0]), np.array([dst]), np.array([n])))
+        dst += n
+    return out
+
+
+def plan_all(instances: Instances, request: TransferRequest) -> Transfers:
+    from transfer.bench.transfer_naive import naive_ranges
+
+    ours = plan_transfer(instances.prefill, instances.decode, request)
+    direct = plan_transfer(instances.prefill, instances.decode, request, StagingPolicy(enabled=False))
+    naive = tuple(
+        naive_ranges(instances.naive_prefill, layout, request) for layout in instances.naive_decode
+    )
+    return Transfers(ours, direct, tuple(raw_ranges(plan) for plan in ours), naive)

@@ -1,0 +1,87 @@
+"""Geometry <-> JSON-able dict, and a stable hash of it for the control-plane handshake."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from typing import Any
+
+from transfer.geometry import (
+    GDNSpec,
+    GQASpec,
+    KDASpec,
+    LayerKind,
+    LayerSpec,
+    Mamba2Spec,
+    MLASpec,
+    ModelGeometry,
+)
+
+_SPECS = {
+    LayerKind.GQA: GQASpec,
+    LayerKind.MLA: MLASpec,
+    LayerKind.GDN: GDNSpec,
+    LayerKind.KDA: KDASpec,
+    LayerKind.MAMBA2: Mamba2Spec,
+}
+
+
+def geometry_to_dict(geometry: ModelGeometry) -> dict[str, Any]:
+    layers = [
+        {"index": layer.index, "kind": layer.kind.value, **dataclasses.asdict(layer.spec)}
+        for layer in geometry.layers
+    ]
+    return {
+        "name": geometry.name,
+        "hidden_size": geometry.hidden_size,
+        "vocab_size": geometry.vocab_size,
+        "num_hidden_layers": geometry.num_hidden_layers,
+        "layers": layers,
+    }
+
+
+def geometry_from_dict(data: Any, field: str = "geometry") -> ModelGeometry:
+    """The inverse of `geometry_to_dict`; malformed input raises ValueError naming the field."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{field}: expected an object, got {type(data).__name__}")
+    layers_data = data.get("layers")
+    if not isinstance(layers_data, list):
+        raise ValueError(f"{field}.layers: expected a list")
+    layers = []
+    for i, item in enumerate(layers_data):
+        where = f"{field}.layers[{i}]"
+        if not isinstance(item, dict):
+            raise ValueError(f"{where}: expected an object")
+        item = dict(item)
+        try:
+            kind = LayerKind(item.pop("kind", None))
+        except ValueError:
+            raise ValueError(
+                f"{where}.kind: expected one of {[k.value for k in LayerKind]}"
+            ) from None
+        index = item.pop("index", None)
+        cls = _SPECS[kind]
+        names = {f.name for f in dataclasses.fields(cls)}
+        if not isinstance(index, int) or set(item) != names:
+            raise ValueError(f"{where}: expected integer fields index, {', '.join(sorted(names))}")
+        for name, value in item.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{where}.{name}: expected a positive integer, got {value!r}")
+        layers.append(LayerSpec(index, cls(**item)))
+    try:
+        return ModelGeometry(
+            str(data["name"]),
+            tuple(layers),
+            int(data["hidden_size"]),
+            int(data.get("vocab_size", 512)),
+            int(data.get("num_hidden_layers", 0)),
+        )
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"{field}: missing or malformed field {exc}") from None
+
+
+def geometry_hash(geometry: ModelGeometry) -> str:
+    """sha256 of the canonical JSON of the geometry (16 hex digits)."""
+    text = json.dumps(geometry_to_dict(geometry), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]

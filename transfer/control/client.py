@@ -1,0 +1,173 @@
+"""Control-plane clients. They return frozen dataclasses and raise `ControlError` (status code name + details)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from transfer.control import convert
+from transfer.control.auth import TlsConfig, channel_credentials, token_metadata
+from transfer.control.errors import ControlError
+from transfer.control.gen import transfer_pb2, transfer_pb2_grpc, worker_pb2_grpc
+from transfer.control.types import (
+    DecodeRequest,
+    GenerateRequest,
+    HandshakeReply,
+    HandshakeRequest,
+    PrefillRequest,
+    Ticket,
+    TokenEvent,
+    compat_hash,
+)
+
+
+class _Client:
+    """One channel to `address`, with optional token and TLS; usable as a context manager."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        token: str | None = None,
+        tls: TlsConfig | None = None,
+        timeout_s: float | None = 10.0,
+    ):
+        if tls is None:
+            self._channel = grpc.insecure_channel(address)
+        else:
+            options = (
+                [("grpc.ssl_target_name_override", tls.server_name)] if tls.server_name else []
+            )
+            self._channel = grpc.secure_channel(address, channel_credentials(tls), options=options)
+        self.address = address
+        self.timeout_s = timeout_s
+        self._metadata = token_metadata(token)
+
+    def health(self, service: str = "") -> str:
+        """The health status name of `service` ("" = the whole server), e.g. "SERVING"."""
+        stub = health_pb2_grpc.HealthStub(self._channel)
+        reply = self._call(stub.Check, health_pb2.HealthCheckRequest(service=service))
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+    def wait_ready(self, timeout_s: float = 10.0) -> None:
+        """Block until the channel connects; raises ControlError("UNAVAILABLE") after `timeout_s`."""
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=timeout_s)
+        except grpc.FutureTimeoutError:
+            raise ControlError(
+                "UNAVAILABLE", f"{self.address} not reachable within {timeout_s}s"
+            ) from None
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _call(self, method: Callable, request):
+        try:
+            return method(request, timeout=self.timeout_s, metadata=self._metadata)
+        except grpc.RpcError as err:
+            raise _control_error(err) from None
+
+    def _stream(self, method: Callable, request, convert_event: Callable) -> Iterator:
+        call = method(request, timeout=None, metadata=self._metadata)
+        try:
+            for event in call:
+                yield convert_event(event)
+        except grpc.RpcError as err:
+            raise _control_error(err) from None
+        finally:
+            call.cancel()  # a no-op once the stream has ended; stops it if the caller stopped early
+
+
+class TransferClient(_Client):
+    """The decode side's (and router's) view of a prefill instance's TransferService."""
+
+    def __init__(self, address: str, **kwargs):
+        super().__init__(address, **kwargs)
+        self._stub = transfer_pb2_grpc.TransferServiceStub(self._channel)
+
+    def handshake(self, instance_id: str, compat: Mapping[str, str]) -> HandshakeReply:
+        """Compare `compat` with the prefill instance's; FAILED_PRECONDITION names the fields that differ."""
+        request = HandshakeRequest(
+            instance_id=instance_id, compat=dict(compat), compat_hash=compat_hash(compat)
+        )
+        reply = self._call(self._stub.Handshake, convert.handshake_request_to_pb(request))
+        return convert.handshake_reply_from_pb(reply)
+
+    def acquire(self, request_id: str, holder: str) -> Ticket:
+        reply = self._call(
+            self._stub.Acquire, transfer_pb2.AcquireRequest(request_id=request_id, holder=holder)
+        )
+        return convert.ticket_from_pb(reply)
+
+    def heartbeat(self, request_id: str, holder: str) -> float:
+        """Extend the lease; returns the new deadline (unix seconds)."""
+        request = transfer_pb2.HeartbeatRequest(request_id=request_id, holder=holder)
+        return self._call(self._stub.Heartbeat, request).lease_deadline
+
+    def release(
+        self, request_id: str, holder: str, block_ids: tuple[int, ...], slot_id: int
+    ) -> None:
+        """Done reading: the prefill side frees exactly these blocks and slot (they must match the ticket).
+
+        Only a successful release proves the cache stayed allocated for the whole read;
+        NOT_FOUND here means the lease expired and what was read must be discarded.
+        """
+        request = transfer_pb2.ReleaseRequest(
+            request_id=request_id, holder=holder, block_ids=list(block_ids), slot_id=slot_id
+        )
+        self._call(self._stub.Release, request)
+
+    def abort(self, request_id: str, reason: str = "") -> None:
+        self._call(
+            self._stub.Abort, transfer_pb2.AbortRequest(request_id=request_id, reason=reason)
+        )
+
+
+class PrefillClient(_Client):
+    def __init__(self, address: str, **kwargs):
+        super().__init__(address, **kwargs)
+        self._stub = worker_pb2_grpc.PrefillServiceStub(self._channel)
+
+    def prefill(self, request: PrefillRequest) -> Ticket:
+        return convert.ticket_from_pb(
+            self._call(self._stub.Prefill, convert.prefill_request_to_pb(request))
+        )
+
+
+class DecodeClient(_Client):
+    def __init__(self, address: str, **kwargs):
+        super().__init__(address, **kwargs)
+        self._stub = worker_pb2_grpc.DecodeServiceStub(self._channel)
+
+    def decode(self, request: DecodeRequest) -> Iterator[TokenEvent]:
+        return self._stream(
+            self._stub.Decode, convert.decode_request_to_pb(request), convert.token_event_from_pb
+        )
+
+
+class RouterClient(_Client):
+    def __init__(self, address: str, **kwargs):
+        super().__init__(address, **kwargs)
+        self._stub = worker_pb2_grpc.RouterServiceStub(self._channel)
+
+    def generate(self, request: GenerateRequest) -> Iterator[TokenEvent]:
+        return self._stream(
+            self._stub.Generate,
+            convert.generate_request_to_pb(request),
+            convert.token_event_from_pb,
+        )
+
+
+def _control_error(err: grpc.RpcError) -> ControlError:
+    # A grpc.RpcError raised by a call is also a grpc.Call, which carries the status.
+    code = err.code() if isinstance(err, grpc.Call) else None
+    details = err.details() if isinstance(err, grpc.Call) else str(err)
+    return ControlError(code.name if code is not None else "UNKNOWN", details or "")

@@ -1,0 +1,174 @@
+"""Build and run a control-plane gRPC server: the services a worker hosts, plus health and reflection."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from concurrent import futures
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from transfer.control.auth import TlsConfig, TokenAuthInterceptor, server_credentials
+from transfer.control.gen import transfer_pb2, transfer_pb2_grpc, worker_pb2, worker_pb2_grpc
+from transfer.control.service import (
+    DecodeServicer,
+    PrefillServicer,
+    RouterServicer,
+    TransferServicer,
+)
+from transfer.control.tickets import TicketStore
+from transfer.control.types import (
+    DecodeRequest,
+    GenerateRequest,
+    HandshakeReply,
+    PrefillRequest,
+    Ticket,
+    TokenEvent,
+)
+
+TRANSFER_SERVICE = transfer_pb2.DESCRIPTOR.services_by_name["TransferService"].full_name
+PREFILL_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name
+DECODE_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name
+ROUTER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["RouterService"].full_name
+
+
+@dataclass
+class ControlServer:
+    """A started server. `address` is "host:port" with the port actually bound."""
+
+    host: str
+    port: int
+    services: tuple[str, ...]
+    _server: grpc.Server
+    _health: health.HealthServicer
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def set_serving(self, serving: bool) -> None:
+        """Flip every health status, e.g. to NOT_SERVING while draining before `stop`."""
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in ("", *self.services):
+            self._health.set(name, status)
+
+    def stop(self, grace: float | None = 1.0) -> None:
+        """Stop accepting calls, let running ones finish for `grace` seconds, then wait for shutdown."""
+        self._health.enter_graceful_shutdown()
+        self._server.stop(grace).wait()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._server.wait_for_termination(timeout)
+
+
+class MalformedRequestInterceptor(grpc.ServerInterceptor):
+    """Answers INVALID_ARGUMENT, instead of grpc's INTERNAL, for request bytes that do not parse.
+
+    Proto3 rejects, for instance, a string field holding invalid UTF-8 while parsing,
+    before any servicer code runs.
+    """
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+            return handler
+        method, parse = handler_call_details.method, handler.request_deserializer
+        behavior = handler.unary_stream if handler.response_streaming else handler.unary_unary
+
+        def safe_parse(raw: bytes):
+            try:
+                return parse(raw)
+            except Exception as exc:
+                return _Malformed(f"request: not a valid message for {method} ({exc})")
+
+        def guarded(request, context):
+            if isinstance(request, _Malformed):
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.details)
+            return behavior(request, context)
+
+        make = (
+            grpc.unary_stream_rpc_method_handler
+            if handler.response_streaming
+            else grpc.unary_unary_rpc_method_handler
+        )
+        return make(
+            guarded,
+            request_deserializer=safe_parse,
+            response_serializer=handler.response_serializer,
+        )
+
+
+@dataclass(frozen=True)
+class _Malformed:
+    details: str
+
+
+def serve(
+    address: str,
+    *,
+    store: TicketStore | None = None,
+    identity: HandshakeReply | None = None,
+    prefill: Callable[[PrefillRequest], Ticket] | None = None,
+    decode: Callable[[DecodeRequest], Iterable[TokenEvent]] | None = None,
+    generate: Callable[[GenerateRequest], Iterable[TokenEvent]] | None = None,
+    token: str | None = None,
+    tls: TlsConfig | None = None,
+    max_workers: int = 16,
+) -> ControlServer:
+    """Start a server on `address` ("host:port"; port 0 picks one) hosting the given services.
+
+    `store` + `identity` host TransferService (a prefill instance); `prefill`,
+    `decode`, `generate` host the worker and router services with dataclass
+    handlers. `token` requires `authorization: Bearer <token>` on every call
+    except health checks; `tls` serves TLS (mTLS when `tls.ca` is set).
+    """
+    host, sep, port_text = address.rpartition(":")
+    if not sep or not host or not port_text.isdigit():
+        raise ValueError(f"address: expected 'host:port', got {address!r}")
+    if (store is None) != (identity is None):
+        raise ValueError("store/identity: TransferService needs both")
+    interceptors = [TokenAuthInterceptor(token)] if token else []
+    interceptors.append(MalformedRequestInterceptor())
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers), interceptors=interceptors
+    )
+    services: list[str] = []
+    if store is not None:
+        transfer_pb2_grpc.add_TransferServiceServicer_to_server(
+            TransferServicer(store, identity), server
+        )
+        services.append(TRANSFER_SERVICE)
+    if prefill is not None:
+        worker_pb2_grpc.add_PrefillServiceServicer_to_server(PrefillServicer(prefill), server)
+        services.append(PREFILL_SERVICE)
+    if decode is not None:
+        worker_pb2_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(decode), server)
+        services.append(DECODE_SERVICE)
+    if generate is not None:
+        worker_pb2_grpc.add_RouterServiceServicer_to_server(RouterServicer(generate), server)
+        services.append(ROUTER_SERVICE)
+    if not services:
+        raise ValueError(
+            "serve: no service to host (give store+identity, prefill, decode or generate)"
+        )
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (*services, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
+    if tls is None:
+        port = server.add_insecure_port(address)
+    else:
+        port = server.add_secure_port(address, server_credentials(tls))
+    if port == 0:
+        raise ValueError(f"address: could not bind {address!r}")
+    server.start()
+    started = ControlServer(host, port, tuple(services), server, health_servicer)
+    started.set_serving(True)
+    return started

@@ -1,0 +1,151 @@
+"""gRPC servicers: TransferService over a TicketStore, and dataclass adapters for the worker services.
+
+Each RPC converts the request at the edge, calls core code, and maps the
+exception it raises to a status code (`errors.status_code_name`). The
+lowercase methods hold the logic and speak protobuf in, protobuf out, raising
+instead of aborting, so they can be tested without a server.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Iterator
+
+import grpc
+
+from transfer.control import convert
+from transfer.control.errors import CompatMismatch, status_code_name
+from transfer.control.gen import transfer_pb2, transfer_pb2_grpc, worker_pb2, worker_pb2_grpc
+from transfer.control.tickets import TicketStore
+from transfer.control.types import (
+    DecodeRequest,
+    GenerateRequest,
+    HandshakeReply,
+    PrefillRequest,
+    Ticket,
+    TokenEvent,
+    compat_hash,
+    compat_mismatch,
+    validate_compat,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class TransferServicer(transfer_pb2_grpc.TransferServiceServicer):
+    """The prefill side's TransferService. `identity` is what Handshake answers with."""
+
+    def __init__(self, store: TicketStore, identity: HandshakeReply):
+        validate_compat(identity.compat, "identity.compat")
+        if identity.compat_hash != compat_hash(identity.compat):
+            raise ValueError("identity.compat_hash: does not match identity.compat")
+        self.store = store
+        self.identity = identity
+
+    def handshake(self, m: transfer_pb2.HandshakeRequest) -> transfer_pb2.HandshakeReply:
+        request = convert.handshake_request_from_pb(m)
+        validate_compat(request.compat)
+        if request.compat_hash != compat_hash(request.compat):
+            raise ValueError("compat_hash: does not match the compat fields sent")
+        differ = compat_mismatch(self.identity.compat, request.compat)
+        if differ:
+            pairs = "; ".join(
+                f"{k}: prefill={self.identity.compat.get(k)!r} decode={request.compat.get(k)!r}"
+                for k in differ
+            )
+            raise CompatMismatch(
+                differ, f"incompatible with prefill instance {self.identity.instance_id!r}: {pairs}"
+            )
+        return convert.handshake_reply_to_pb(self.identity)
+
+    def acquire(self, m: transfer_pb2.AcquireRequest) -> transfer_pb2.Ticket:
+        return convert.ticket_to_pb(self.store.acquire(m.request_id, m.holder))
+
+    def heartbeat(self, m: transfer_pb2.HeartbeatRequest) -> transfer_pb2.HeartbeatReply:
+        ticket = self.store.heartbeat(m.request_id, m.holder)
+        return transfer_pb2.HeartbeatReply(lease_deadline=ticket.lease_deadline)
+
+    def release(self, m: transfer_pb2.ReleaseRequest) -> transfer_pb2.ReleaseReply:
+        self.store.release(m.request_id, m.holder, tuple(m.block_ids), m.slot_id)
+        return transfer_pb2.ReleaseReply()
+
+    def abort(self, m: transfer_pb2.AbortRequest) -> transfer_pb2.AbortReply:
+        if len(m.reason) > 1024:
+            raise ValueError("reason: at most 1024 characters")
+        self.store.abort(m.request_id, m.reason)
+        return transfer_pb2.AbortReply()
+
+    def Handshake(self, request, context):
+        return unary(context, self.handshake, request)
+
+    def Acquire(self, request, context):
+        return unary(context, self.acquire, request)
+
+    def Heartbeat(self, request, context):
+        return unary(context, self.heartbeat, request)
+
+    def Release(self, request, context):
+        return unary(context, self.release, request)
+
+    def Abort(self, request, context):
+        return unary(context, self.abort, request)
+
+
+class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
+    """Hosts `prefill(PrefillRequest) -> Ticket` (the engine's) as PrefillService."""
+
+    def __init__(self, prefill: Callable[[PrefillRequest], Ticket]):
+        self._prefill = prefill
+
+    def Prefill(self, request, context):
+        return unary(
+            context,
+            lambda m: convert.ticket_to_pb(self._prefill(convert.prefill_request_from_pb(m))),
+            request,
+        )
+
+
+class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
+    """Hosts `decode(DecodeRequest) -> Iterable[TokenEvent]` as DecodeService."""
+
+    def __init__(self, decode: Callable[[DecodeRequest], Iterable[TokenEvent]]):
+        self._decode = decode
+
+    def Decode(self, request, context):
+        yield from stream(
+            context, lambda m: self._decode(convert.decode_request_from_pb(m)), request
+        )
+
+
+class RouterServicer(worker_pb2_grpc.RouterServiceServicer):
+    """Hosts `generate(GenerateRequest) -> Iterable[TokenEvent]` as RouterService."""
+
+    def __init__(self, generate: Callable[[GenerateRequest], Iterable[TokenEvent]]):
+        self._generate = generate
+
+    def Generate(self, request, context):
+        yield from stream(
+            context, lambda m: self._generate(convert.generate_request_from_pb(m)), request
+        )
+
+
+def unary(context: grpc.ServicerContext, fn: Callable, request):
+    try:
+        return fn(request)
+    except Exception as exc:  # every failure becomes a status, never a hung call
+        _abort(context, exc)
+
+
+def stream(context: grpc.ServicerContext, fn: Callable, request) -> Iterator[worker_pb2.TokenEvent]:
+    try:
+        for event in fn(request):
+            yield convert.token_event_to_pb(event)
+    except Exception as exc:
+        _abort(context, exc)
+
+
+def _abort(context: grpc.ServicerContext, exc: Exception) -> None:
+    code = status_code_name(exc)
+    if code == "INTERNAL":
+        logger.exception("control-plane call failed")
+    context.abort(getattr(grpc.StatusCode, code), str(exc) or type(exc).__name__)

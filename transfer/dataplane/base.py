@@ -1,0 +1,284 @@
+"""The `Transport` protocol, and the bookkeeping every backend shares.
+
+A transport owns one registered arena and moves byte ranges between it and the arenas of
+its peers. A transfer is a handle you poll: PENDING, then DONE or FAILED(reason). Every
+transfer has a deadline; once it passes, `poll` cancels what it can and answers FAILED, so
+the caller may free its blocks. Transports are not thread-safe: one owner thread calls them.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+import torch
+
+from transfer.dataplane.metadata import PeerInfo
+from transfer.dataplane.ranges import RangeBatch
+from transfer.dataplane.types import Notification, Op, State, TransferStatus
+
+MAX_NOTIF_BYTES = 4096
+
+
+@runtime_checkable
+class Transport(Protocol):
+    """Moves byte ranges between this rank's arena and its peers' arenas."""
+
+    backend: str
+    name: str
+
+    def register(self, arena: torch.Tensor) -> bytes:
+        """Register the arena (uint8 [nbytes], contiguous, CPU or CUDA) once; return the
+        metadata a peer passes to `add_peer`."""
+        ...
+
+    def add_peer(self, metadata: bytes) -> str:
+        """Connect to the peer described by `metadata`; return its name."""
+        ...
+
+    def remove_peer(self, peer: str) -> None:
+        """Forget a peer. Its pending transfers fail with reason 'peer removed'."""
+        ...
+
+    def post(
+        self, op: Op, peer: str, ranges: RangeBatch, notif: bytes = b"", *, deadline_s: float
+    ) -> int:
+        """Start moving `ranges` (READ: peer -> local, WRITE: local -> peer). `notif`, when
+        non-empty, reaches the peer's `notifications()` once the bytes have landed."""
+        ...
+
+    def poll(self, handle: int) -> TransferStatus: ...
+
+    def release(self, handle: int) -> None:
+        """Forget a transfer; a pending one is cancelled."""
+        ...
+
+    def notifications(self) -> list[Notification]:
+        """Notifications received since the last call."""
+        ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class ArenaInfo:
+    address: int
+    nbytes: int
+    device: str
+    device_index: int
+
+
+def arena_info(arena: Any) -> ArenaInfo:
+    """Validate an arena tensor: uint8, 1-D, contiguous, non-empty, on CPU or CUDA."""
+    if not isinstance(arena, torch.Tensor):
+        raise ValueError(f"arena: expected a torch.Tensor, got {type(arena).__name__}")
+    if arena.dtype != torch.uint8 or arena.dim() != 1:
+        raise ValueError(
+            f"arena: expected a 1-D uint8 tensor, got {arena.dtype} {tuple(arena.shape)}"
+        )
+    if not arena.is_contiguous() or arena.numel() == 0:
+        raise ValueError("arena: must be contiguous and non-empty")
+    if arena.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"arena: device {arena.device} is neither cpu nor cuda")
+    index = arena.device.index if arena.device.type == "cuda" else 0
+    return ArenaInfo(arena.data_ptr(), arena.numel(), arena.device.type, index or 0)
+
+
+def check_agent_name(name: Any) -> str:
+    if not isinstance(name, str) or not name or len(name) > 128 or not name.isprintable():
+        raise ValueError(f"agent_name: expected 1-128 printable characters, got {name!r}")
+    return name
+
+
+@dataclass
+class _Entry:
+    record: Any  # the backend's own state of one transfer
+    peer: str
+    deadline: float  # time.monotonic()
+    deadline_s: float
+    status: TransferStatus
+
+
+class TransportBase:
+    """Validation, peers, handles and deadlines; backends fill in the `_` hooks."""
+
+    backend: ClassVar[str]
+
+    def __init__(self, agent_name: str) -> None:
+        self.name = check_agent_name(agent_name)
+        self.arena: ArenaInfo | None = None
+        self.peers: dict[str, PeerInfo] = {}
+        self._entries: dict[int, _Entry] = {}
+        self._next_handle = 1
+        self._closed = False
+
+    # -- public API -------------------------------------------------------------------
+
+    def register(self, arena: torch.Tensor) -> bytes:
+        self._check_open()
+        if self.arena is not None:
+            raise ValueError("arena: already registered (one arena per transport)")
+        info = arena_info(arena)
+        payload = self._register(arena, info)
+        self.arena = info
+        return PeerInfo(
+            self.backend,
+            self.name,
+            info.nbytes,
+            info.device,
+            info.device_index,
+            info.address,
+            payload,
+        ).encode()
+
+    def add_peer(self, metadata: bytes) -> str:
+        self._check_open()
+        info = PeerInfo.decode(metadata)
+        if info.backend != self.backend:
+            raise ValueError(
+                f"metadata: made by backend {info.backend!r}, this transport is {self.backend!r}"
+            )
+        if info.name == self.name:
+            raise ValueError(f"metadata: describes this transport itself ({self.name!r})")
+        if info.name in self.peers:
+            self.remove_peer(info.name)
+        self._add_peer(info)
+        self.peers[info.name] = info
+        return info.name
+
+    def remove_peer(self, peer: str) -> None:
+        self._check_open()
+        self._peer(peer)
+        for entry in self._entries.values():
+            if entry.peer == peer and entry.status.pending:
+                self._discard(entry.record, cancel=True)
+                entry.status = TransferStatus.failure(f"peer {peer!r} removed")
+        self._remove_peer(peer)
+        del self.peers[peer]
+
+    def post(
+        self, op: Op, peer: str, ranges: RangeBatch, notif: bytes = b"", *, deadline_s: float
+    ) -> int:
+        self._check_open()
+        if not isinstance(op, Op):
+            raise ValueError(f"op: expected Op.READ or Op.WRITE, got {op!r}")
+        info = self._peer(peer)
+        if not isinstance(ranges, RangeBatch):
+            raise ValueError(f"ranges: expected a RangeBatch, got {type(ranges).__name__}")
+        if self.arena is None:
+            raise ValueError("arena: register an arena before posting transfers")
+        ranges.check_within(self.arena.nbytes, info.arena_bytes)
+        if not isinstance(notif, bytes) or len(notif) > MAX_NOTIF_BYTES:
+            raise ValueError(f"notif: expected bytes of at most {MAX_NOTIF_BYTES} bytes")
+        if not isinstance(deadline_s, int | float) or not (0 < deadline_s < math.inf):
+            raise ValueError(
+                f"deadline_s: expected a positive number of seconds, got {deadline_s!r}"
+            )
+        now = time.monotonic()
+        record, status = self._post(op, info, ranges, notif, deadline_s)
+        handle, self._next_handle = self._next_handle, self._next_handle + 1
+        self._entries[handle] = _Entry(record, peer, now + deadline_s, deadline_s, status)
+        return handle
+
+    def poll(self, handle: int) -> TransferStatus:
+        entry = self._entry(handle)
+        if not entry.status.pending:
+            return entry.status
+        status = self._check(entry.record)
+        if status.pending and time.monotonic() > entry.deadline:
+            self._discard(entry.record, cancel=True)
+            status = TransferStatus.failure(
+                f"deadline of {entry.deadline_s:g} s passed before the transfer with peer "
+                f"{entry.peer!r} finished"
+            )
+        elif not status.pending:
+            self._discard(entry.record, cancel=status.failed)
+        entry.status = status
+        return status
+
+    def release(self, handle: int) -> None:
+        entry = self._entry(handle)
+        del self._entries[handle]
+        if entry.status.pending:
+            self._discard(entry.record, cancel=True)
+
+    def notifications(self) -> list[Notification]:
+        self._check_open()
+        return self._notifications()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        for entry in self._entries.values():
+            if entry.status.pending:
+                self._discard(entry.record, cancel=True)
+                entry.status = TransferStatus.failure("transport closed")
+        self._entries.clear()
+        self._closed = True
+        self._close()
+
+    def __enter__(self) -> TransportBase:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- helpers ----------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError(f"transport {self.name!r} is closed")
+
+    def _peer(self, peer: str) -> PeerInfo:
+        try:
+            return self.peers[peer]
+        except (KeyError, TypeError):
+            raise ValueError(f"peer: unknown peer {peer!r} (known: {sorted(self.peers)})") from None
+
+    def _entry(self, handle: int) -> _Entry:
+        try:
+            return self._entries[handle]
+        except (KeyError, TypeError):
+            raise ValueError(f"handle: unknown or released transfer {handle!r}") from None
+
+    # -- backend hooks ----------------------------------------------------------------
+
+    def _register(self, arena: torch.Tensor, info: ArenaInfo) -> bytes:
+        raise NotImplementedError
+
+    def _add_peer(self, info: PeerInfo) -> None:
+        raise NotImplementedError
+
+    def _remove_peer(self, peer: str) -> None:
+        raise NotImplementedError
+
+    def _post(
+        self, op: Op, peer: PeerInfo, ranges: RangeBatch, notif: bytes, deadline_s: float
+    ) -> tuple[Any, TransferStatus]:
+        """Start a transfer; return its record and first status. A transfer that could not
+        start comes back FAILED with its resources already freed, as does one DONE at once."""
+        raise NotImplementedError
+
+    def _check(self, record: Any) -> TransferStatus:
+        raise NotImplementedError
+
+    def _discard(self, record: Any, cancel: bool) -> None:
+        """Free a finished transfer's resources, or cancel a pending one."""
+        raise NotImplementedError
+
+    def _notifications(self) -> list[Notification]:
+        raise NotImplementedError
+
+    def _close(self) -> None:
+        raise NotImplementedError
+
+
+def wait(transport: Transport, handle: int, interval_s: float = 0.0002) -> TransferStatus:
+    """Poll until the transfer leaves PENDING; its deadline bounds the wait."""
+    while True:
+        status = transport.poll(handle)
+        if status.state is not State.PENDING:
+            return status
+        time.sleep(interval_s)

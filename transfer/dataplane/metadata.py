@@ -1,0 +1,54 @@
+"""What `Transport.register` hands out and `add_peer` reads: one arena, one agent, as bytes.
+
+Layout: magic, u32 length of a JSON header, the header, then the backend's own payload
+(NIXL agent metadata, a UCX worker address). The bytes are opaque to everyone else.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import asdict, dataclass
+
+_MAGIC = b"PDXFDP1\0"
+_LENGTH = struct.Struct("<I")
+
+
+@dataclass(frozen=True)
+class PeerInfo:
+    """One registered arena of one agent."""
+
+    backend: str
+    name: str
+    arena_bytes: int
+    device: str  # "cpu" or "cuda"
+    device_index: int
+    base_address: int
+    payload: bytes = b""
+
+    def encode(self) -> bytes:
+        fields = asdict(self)
+        del fields["payload"]
+        header = json.dumps(fields, sort_keys=True).encode()
+        return _MAGIC + _LENGTH.pack(len(header)) + header + self.payload
+
+    @classmethod
+    def decode(cls, data: bytes) -> PeerInfo:
+        """Raise ValueError on anything that `encode` did not produce."""
+        if not isinstance(data, bytes | bytearray | memoryview):
+            raise ValueError(f"metadata: expected bytes, got {type(data).__name__}")
+        data = bytes(data)
+        start = len(_MAGIC) + _LENGTH.size
+        if len(data) < start or not data.startswith(_MAGIC):
+            raise ValueError("metadata: not pdxfer dataplane metadata (bad magic)")
+        (length,) = _LENGTH.unpack_from(data, len(_MAGIC))
+        if start + length > len(data):
+            raise ValueError("metadata: truncated header")
+        try:
+            fields = json.loads(data[start : start + length])
+            info = cls(**fields, payload=data[start + length :])
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"metadata: malformed header ({exc})") from None
+        if info.arena_bytes <= 0 or info.base_address < 0 or info.device not in ("cpu", "cuda"):
+            raise ValueError("metadata: arena fields out of range")
+        return info

@@ -1,0 +1,299 @@
+"""NIXL backend: one-sided READ/WRITE through a NIXL agent and its UCX plugin.
+
+Posting costs index lists, not registration. The arena is registered once, and viewed as
+a list of `granule`-byte descriptors, prepared once for the local arena and once per peer
+for the peer's arena (`prep_xfer_dlist`). A batch whose offsets and lengths are multiples
+of the granule becomes two index arrays (`make_prepped_xfer`); NIXL merges consecutive
+indices back into one descriptor. Any other batch falls back to descriptors built for
+that one transfer (`initialize_xfer`). docs/dataplane.md has the measurements.
+
+The agent starts no listener: metadata travels as bytes through `register`/`add_peer`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from nixl._api import nixl_agent, nixl_agent_config
+
+from transfer.dataplane.base import ArenaInfo, TransportBase
+from transfer.dataplane.metadata import PeerInfo
+from transfer.dataplane.ranges import RangeBatch
+from transfer.dataplane.types import DONE, PENDING, Notification, Op, TransferStatus
+
+MAX_PREPPED_DESCRIPTORS = 1 << 18
+MIN_GRANULE = 4096
+
+
+def auto_granule(arena_bytes: int) -> int:
+    """The smallest power of two >= 4 KiB that keeps a prepared list within 2^18 entries."""
+    granule = MIN_GRANULE
+    while arena_bytes // granule > MAX_PREPPED_DESCRIPTORS:
+        granule *= 2
+    return granule
+
+
+def _mem_type(device: str) -> str:
+    return "DRAM" if device == "cpu" else "VRAM"
+
+
+def _descriptors(
+    base: int, offsets: np.ndarray, nbytes: np.ndarray, device_index: int
+) -> np.ndarray:
+    """Nx3 uint64 (address, length, device id), the form NIXL reads without a Python loop."""
+    descs = np.empty((len(offsets), 3), dtype=np.uint64)
+    descs[:, 0] = offsets.astype(np.uint64) + np.uint64(base)
+    descs[:, 1] = nbytes
+    descs[:, 2] = device_index
+    return descs
+
+
+def _granule_descriptors(base: int, nbytes: int, granule: int, device_index: int) -> np.ndarray:
+    count = nbytes // granule
+    offsets = np.arange(count, dtype=np.int64) * granule
+    return _descriptors(base, offsets, np.full(count, granule, dtype=np.int64), device_index)
+
+
+def _indices(offsets: np.ndarray, counts: np.ndarray, total: int, granule: int) -> np.ndarray:
+    """Granule indices covering each range, ranges in order: int32 [total]."""
+    firsts = offsets // granule
+    run_starts = np.cumsum(counts) - counts
+    step = np.arange(total, dtype=np.int64) - np.repeat(run_starts, counts)
+    return (np.repeat(firsts, counts) + step).astype(np.int32)
+
+
+@dataclass
+class _Xfer:
+    handle: Any  # nixl_xfer_handle
+
+
+class NixlTransport(TransportBase):
+    """Options: `granule` ("auto", 0 to always build descriptors per transfer, or a power of
+    two >= 4096 bytes); `num_threads` (UCX plugin threads, 0 = NIXL's default); `tls`
+    (UCX_TLS while the UCX plugin starts, e.g. "tcp"); `net_devices` (UCX devices, e.g. "lo")."""
+
+    backend = "nixl"
+
+    def __init__(
+        self,
+        agent_name: str,
+        *,
+        granule: int | str = "auto",
+        num_threads: int = 0,
+        tls: str | None = None,
+        net_devices: str | None = None,
+    ) -> None:
+        super().__init__(agent_name)
+        if granule != "auto" and not (
+            isinstance(granule, int)
+            and (granule == 0 or (granule >= MIN_GRANULE and granule & (granule - 1) == 0))
+        ):
+            raise ValueError(
+                f"granule: expected 'auto', 0 or a power of two >= 4096, got {granule!r}"
+            )
+        if not isinstance(num_threads, int) or num_threads < 0:
+            raise ValueError(f"num_threads: expected an int >= 0, got {num_threads!r}")
+        init = {}
+        for option, value in (("tls", tls), ("net_devices", net_devices)):
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"{option}: expected a non-empty string, got {value!r}")
+        if net_devices:
+            init["ucx_devices"] = net_devices
+        if num_threads:
+            init["num_threads"] = str(num_threads)
+        if "NIXL_LOG_LEVEL" not in os.environ:
+            logging.getLogger("nixl").setLevel(logging.WARNING)  # its INFO lines go to stdout
+        config = nixl_agent_config(enable_prog_thread=True, enable_listen_thread=False, backends=[])
+        self._agent = nixl_agent(agent_name, config)
+        if "UCX" not in self._agent.get_plugin_list():
+            raise RuntimeError("nixl: the UCX plugin is missing from this NIXL installation")
+        with _ucx_tls(tls):  # NIXL passes no transport list to UCX; UCX reads UCX_TLS
+            self._agent.create_backend("UCX", init)
+        self._granule_option = granule
+        self.granule = 0
+        self._mem = "DRAM"
+        self._reg_descs: Any = None
+        self._local_dlist: Any = None
+        self._remote_dlists: dict[str, Any] = {}
+        self._stuck: list[Any] = []  # handles NIXL could not cancel yet
+
+    # -- hooks ------------------------------------------------------------------------
+
+    def _register(self, arena: torch.Tensor, info: ArenaInfo) -> bytes:
+        self._mem = _mem_type(info.device)
+        self._reg_descs = self._agent.register_memory(
+            [(info.address, info.nbytes, info.device_index, "")], self._mem
+        )
+        granule = self._granule_option
+        self.granule = auto_granule(info.nbytes) if granule == "auto" else granule
+        if self.granule and info.nbytes // self.granule > MAX_PREPPED_DESCRIPTORS * 4:
+            raise ValueError(
+                f"granule: {self.granule} cuts the {info.nbytes}-byte arena into too many "
+                "descriptors; pick a larger granule"
+            )
+        if self.granule and info.nbytes >= self.granule:
+            descs = _granule_descriptors(info.address, info.nbytes, self.granule, info.device_index)
+            self._local_dlist = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", descs, self._mem)
+        return self._agent.get_agent_metadata()
+
+    def _add_peer(self, info: PeerInfo) -> None:
+        name = self._agent.add_remote_agent(info.payload)
+        name = name.decode() if isinstance(name, bytes) else str(name)
+        if name != info.name:
+            self._agent.remove_remote_agent(name)
+            raise ValueError(f"metadata: names agent {info.name!r} but carries {name!r}")
+
+    def _remove_peer(self, peer: str) -> None:
+        dlist = self._remote_dlists.pop(peer, None)
+        if dlist is not None:
+            dlist.release()
+        self._agent.remove_remote_agent(peer)
+
+    def _remote_dlist(self, peer: PeerInfo) -> Any:
+        dlist = self._remote_dlists.get(peer.name)
+        if dlist is None:
+            descs = _granule_descriptors(
+                peer.base_address, peer.arena_bytes, self.granule, peer.device_index
+            )
+            dlist = self._agent.prep_xfer_dlist(peer.name, descs, _mem_type(peer.device))
+            self._remote_dlists[peer.name] = dlist
+        return dlist
+
+    def _prepped(self, peer: PeerInfo, ranges: RangeBatch) -> bool:
+        """Whether every range is whole granules inside both prepared lists."""
+        granule = self.granule
+        if not granule or self._local_dlist is None or peer.arena_bytes < granule:
+            return False
+        if ((ranges.local | ranges.remote | ranges.nbytes) & (granule - 1)).any():
+            return False
+        assert self.arena is not None
+        local_limit = self.arena.nbytes // granule * granule
+        remote_limit = peer.arena_bytes // granule * granule
+        return bool(
+            (ranges.local + ranges.nbytes).max() <= local_limit
+            and (ranges.remote + ranges.nbytes).max() <= remote_limit
+        )
+
+    def _make_xfer(self, op: Op, peer: PeerInfo, ranges: RangeBatch, notif: bytes) -> Any:
+        assert self.arena is not None
+        if self._prepped(peer, ranges):
+            counts = ranges.nbytes // self.granule
+            total = int(counts.sum())
+            return self._agent.make_prepped_xfer(
+                op.value,
+                self._local_dlist,
+                _indices(ranges.local, counts, total, self.granule),
+                self._remote_dlist(peer),
+                _indices(ranges.remote, counts, total, self.granule),
+                notif,
+            )
+        arena = self.arena
+        local = _descriptors(arena.address, ranges.local, ranges.nbytes, arena.device_index)
+        remote = _descriptors(peer.base_address, ranges.remote, ranges.nbytes, peer.device_index)
+        return self._agent.initialize_xfer(
+            op.value,
+            self._agent.get_xfer_descs(local, self._mem),
+            self._agent.get_xfer_descs(remote, _mem_type(peer.device)),
+            peer.name,
+            notif,
+        )
+
+    def _post(
+        self, op: Op, peer: PeerInfo, ranges: RangeBatch, notif: bytes, deadline_s: float
+    ) -> tuple[_Xfer | None, TransferStatus]:
+        try:
+            handle = self._make_xfer(op, peer, ranges, notif)
+        except Exception as exc:  # NIXL raises its own types: disconnect, not found, backend
+            return None, TransferStatus.failure(f"could not create transfer: {_describe(exc)}")
+        xfer = _Xfer(handle)
+        try:
+            state = self._agent.transfer(handle)
+        except Exception as exc:
+            self._discard(xfer, cancel=True)
+            return None, TransferStatus.failure(f"could not post transfer: {_describe(exc)}")
+        if state == "ERR":
+            self._discard(xfer, cancel=True)
+            return None, TransferStatus.failure("NIXL refused to post the transfer")
+        return xfer, PENDING
+
+    def _check(self, record: _Xfer) -> TransferStatus:
+        try:
+            state = self._agent.check_xfer_state(record.handle)
+        except Exception as exc:
+            return TransferStatus.failure(_describe(exc))
+        if state == "DONE":
+            return DONE
+        if state == "PROC":
+            return PENDING
+        return TransferStatus.failure("NIXL reported a transfer error")
+
+    def _discard(self, record: _Xfer | None, cancel: bool) -> None:
+        if record is None:
+            return
+        try:
+            record.handle.release()
+        except Exception:
+            self._stuck.append(record.handle)
+        self._stuck = [h for h in self._stuck if not _try_release(h)]
+
+    def _notifications(self) -> list[Notification]:
+        new = self._agent.get_new_notifs()
+        return [Notification(str(peer), bytes(msg)) for peer, msgs in new.items() for msg in msgs]
+
+    def _close(self) -> None:
+        self._stuck = [h for h in self._stuck if not _try_release(h)]
+        for peer in list(self._remote_dlists):
+            self._remote_dlists.pop(peer).release()
+        for peer in self.peers:
+            _quietly(self._agent.remove_remote_agent, peer)
+        if self._local_dlist is not None:
+            self._local_dlist.release()
+            self._local_dlist = None
+        if self._reg_descs is not None:
+            _quietly(self._agent.deregister_memory, self._reg_descs)
+            self._reg_descs = None
+        self.peers.clear()
+        del self._agent
+
+
+@contextlib.contextmanager
+def _ucx_tls(tls: str | None) -> Iterator[None]:
+    if tls is None:
+        yield
+        return
+    saved = os.environ.get("UCX_TLS")
+    os.environ["UCX_TLS"] = tls
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["UCX_TLS"]
+        else:
+            os.environ["UCX_TLS"] = saved
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _try_release(handle: Any) -> bool:
+    try:
+        handle.release()
+        return True
+    except Exception:
+        return False
+
+
+def _quietly(fn: Any, *args: Any) -> None:
+    try:
+        fn(*args)
+    except Exception:
+        logging.getLogger(__name__).debug("ignored error during close", exc_info=True)

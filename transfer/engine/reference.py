@@ -1,0 +1,45 @@
+"""Colocated references for `--verify`: the same model at TP=1 in this process."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from transfer.engine.caches import LocalCaches
+from transfer.engine.distributed import TPGroup
+from transfer.engine.model.common import Step
+from transfer.engine.model.model import HybridModel
+from transfer.engine.runner import RankEngine, blocks_needed
+from transfer.geometry import ModelGeometry
+
+REFERENCE_BLOCK_SIZE = 16
+
+
+def reference_generate(
+    geometry: ModelGeometry,
+    prompt_ids: Sequence[int],
+    max_tokens: int,
+    seed: int = 0,
+    device: torch.device | str = "cpu",
+) -> list[int]:
+    """The `max_tokens` greedy tokens (first token included) that a TP=1 engine with its
+    own small caches generates for `prompt_ids`: what P/D disaggregation must reproduce."""
+    if not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ValueError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
+    num_blocks = blocks_needed(len(prompt_ids) + max_tokens, REFERENCE_BLOCK_SIZE)
+    caches = LocalCaches(
+        geometry, num_blocks=num_blocks, block_size=REFERENCE_BLOCK_SIZE, num_slots=1, device=device
+    )
+    engine = RankEngine(geometry, caches, TPGroup.single(), seed, device)
+    blocks = list(range(num_blocks))
+    first = engine.prefill(prompt_ids, blocks, slot=0)
+    return [first] + engine.decode(first, len(prompt_ids), blocks, 0, max_tokens - 1)
+
+
+def full_sequence_logits(model: HybridModel, token_ids: Sequence[int]) -> torch.Tensor:
+    """Logits [T, vocab] of every position, recomputed from scratch with no cache at all."""
+    ids = torch.tensor(list(token_ids), dtype=torch.long, device=model.device)
+    positions = torch.arange(len(ids), device=model.device)
+    step = Step(True, positions, positions.new_empty(0), slot=-1, caches=None)
+    return model.forward(ids, step, all_logits=True)

@@ -1,0 +1,224 @@
+"""The front door: `Generate` = Prefill on one prefill instance, then Decode on a decode instance.
+
+A prefill that fails for a reason another instance might not share (unreachable, deadline,
+internal error, pool full) is retried on the next instance; bad input is not. A request
+the router drops after prefill is Aborted at its prefill instance, so the cache is freed
+at once rather than when the lease runs out.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import socket
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
+
+from prometheus_client import CollectorRegistry, Counter
+
+from transfer.control.auth import TlsConfig
+from transfer.control.client import DecodeClient, PrefillClient, TransferClient
+from transfer.control.errors import ControlError
+from transfer.control.types import DecodeRequest, GenerateRequest, PrefillRequest, TokenEvent
+
+logger = logging.getLogger(__name__)
+
+RETRY_CODES = frozenset(
+    {"UNAVAILABLE", "DEADLINE_EXCEEDED", "INTERNAL", "UNKNOWN", "RESOURCE_EXHAUSTED", "ABORTED"}
+)
+UNSPECIFIED_HOSTS = frozenset({"", "0.0.0.0", "::", "[::]"})
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """ "host:port" or "[v6]:port" -> (host, port); ValueError names the address otherwise."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"address: expected HOST:PORT, got {address!r}")
+    return host.strip("[]"), int(port)
+
+
+def join_address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def resolve(address: str) -> list[str]:
+    """Every IP `address`'s host name resolves to, as "ip:port" (IPv4 first; a headless
+    Service name resolves to all its pods). An IP literal or an unresolvable name is kept."""
+    host, port = split_address(address)
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror:
+        return [address]
+    v4 = sorted({i[4][0] for i in infos if i[0] == socket.AF_INET})
+    v6 = sorted({i[4][0] for i in infos if i[0] == socket.AF_INET6})
+    return [join_address(ip, port) for ip in (v4 or v6)] or [address]
+
+
+class RouterMetrics:
+    """The router's own Prometheus registry (it holds no cache, so no pool gauges)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "pdxfer_router_requests",
+            "Generate calls by outcome",
+            ["status"],
+            registry=self.registry,
+        )
+        self.prefill_retries = Counter(
+            "pdxfer_router_prefill_retries",
+            "Prefill calls retried on another instance",
+            registry=self.registry,
+        )
+
+
+@dataclass(frozen=True)
+class ClientOptions:
+    token: str | None = None
+    tls: TlsConfig | None = None
+    timeout_s: float = 120.0
+
+
+class _Pool:
+    """The instances behind a list of addresses (re-resolved every `refresh_s`), round robin."""
+
+    def __init__(self, addresses: Sequence[str], factory, refresh_s: float = 10.0) -> None:
+        self._addresses = list(addresses)
+        self._factory = factory
+        self._refresh_s = refresh_s
+        self._lock = threading.Lock()
+        self._clients: dict[str, object] = {}
+        self._targets: list[tuple[str, str]] = []  # (target, original address)
+        self._resolved_at = -float("inf")
+        self._turn = itertools.count()
+
+    def order(self) -> list[tuple[str, object]]:
+        """Every instance once, starting at the next one in turn."""
+        with self._lock:
+            if time.monotonic() - self._resolved_at > self._refresh_s:
+                self._targets = [(t, a) for a in self._addresses for t in resolve(a)]
+                self._resolved_at = time.monotonic()
+            targets = list(self._targets)
+            start = next(self._turn) % len(targets) if targets else 0
+            ordered = targets[start:] + targets[:start]
+            out = []
+            for target, original in ordered:
+                if target not in self._clients:
+                    self._clients[target] = self._factory(target, original)
+                out.append((target, self._clients[target]))
+            return out
+
+    def forget(self) -> None:
+        """Re-resolve on the next call (after a failure, pods may have moved)."""
+        with self._lock:
+            self._resolved_at = -float("inf")
+
+    def close(self) -> None:
+        with self._lock:
+            for client in self._clients.values():
+                client.close()
+            self._clients.clear()
+
+
+class Router:
+    """Routes `Generate` over `prefill` and `decode` instance addresses."""
+
+    def __init__(
+        self,
+        prefill: Sequence[str],
+        decode: Sequence[str],
+        options: ClientOptions | None = None,
+        metrics: RouterMetrics | None = None,
+    ) -> None:
+        if not prefill:
+            raise ValueError("prefill: the router needs at least one --prefill HOST:PORT")
+        if not decode:
+            raise ValueError("decode: the router needs at least one --decode HOST:PORT")
+        for address in (*prefill, *decode):
+            split_address(address)
+        self.options = options or ClientOptions()
+        self.metrics = metrics or RouterMetrics()
+        self._prefill = _Pool(prefill, lambda t, a: PrefillClient(t, **self._kwargs(a)))
+        self._decode = _Pool(decode, lambda t, a: DecodeClient(t, **self._kwargs(a)))
+        self._transfer_lock = threading.Lock()
+        self._transfer_clients: dict[str, TransferClient] = {}
+
+    def _kwargs(self, original: str, timeout_s: float | None = None) -> dict:
+        tls = self.options.tls
+        if tls is not None and not tls.server_name:
+            # Connecting by resolved IP: check the certificate against the name we were given.
+            tls = replace(tls, server_name=split_address(original)[0])
+        timeout = self.options.timeout_s if timeout_s is None else timeout_s
+        return {"token": self.options.token, "tls": tls, "timeout_s": timeout}
+
+    def generate(self, request: GenerateRequest) -> Iterator[TokenEvent]:
+        """Stream the request's tokens; the first event's `ttft_ms` is measured here."""
+        start = time.perf_counter()
+        status = "failed"
+        ticket = None
+        first = True
+        try:
+            ticket, prefill_at = self._run_prefill(request)
+            if ticket.address.rpartition(":")[0] in UNSPECIFIED_HOSTS:
+                ticket = replace(ticket, address=prefill_at)
+            for event in self._run_decode(ticket, request.max_tokens):
+                if first:
+                    event = replace(event, ttft_ms=(time.perf_counter() - start) * 1e3)
+                    first = False
+                yield event
+            status = "ok"
+        finally:
+            self.metrics.requests.labels(status=status).inc()
+            if ticket is not None and first:
+                # Nothing reached the caller: free the prefill cache now, not at lease end.
+                self._abort(ticket.address, ticket.request_id, "router dropped the request")
+
+    def _run_prefill(self, request: GenerateRequest):
+        prefill = PrefillRequest(request.request_id, request.prompt_ids, request.max_tokens)
+        errors = []
+        for target, client in self._prefill.order():
+            try:
+                return client.prefill(prefill), target
+            except ControlError as exc:
+                if exc.code not in RETRY_CODES:
+                    raise
+                errors.append(f"{target}: {exc}")
+                logger.warning(
+                    "prefill of %r failed on %s (%s); trying another instance",
+                    request.request_id,
+                    target,
+                    exc,
+                )
+                self.metrics.prefill_retries.inc()
+                self._prefill.forget()
+                self._abort(target, request.request_id, "prefill retried elsewhere")
+        raise ControlError("UNAVAILABLE", "every prefill instance failed: " + "; ".join(errors))
+
+    def _run_decode(self, ticket, max_tokens: int) -> Iterator[TokenEvent]:
+        targets = self._decode.order()
+        if not targets:
+            raise ControlError("UNAVAILABLE", "no decode instance resolved")
+        _, client = targets[0]
+        yield from client.decode(DecodeRequest(ticket, max_tokens))
+
+    def _abort(self, address: str, request_id: str, reason: str) -> None:
+        """Best effort: a dead prefill instance has freed everything anyway."""
+        try:
+            with self._transfer_lock:
+                client = self._transfer_clients.get(address)
+                if client is None:
+                    client = TransferClient(address, **self._kwargs(address, timeout_s=5.0))
+                    self._transfer_clients[address] = client
+            client.abort(request_id, reason)
+        except (ControlError, ValueError) as exc:
+            logger.info("abort of %r at %s: %s", request_id, address, exc)
+
+    def close(self) -> None:
+        self._prefill.close()
+        self._decode.close()
+        with self._transfer_lock:
+            for client in self._transfer_clients.values():
+                client.close()
+            self._transfer_clients.clear()

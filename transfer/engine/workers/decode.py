@@ -1,0 +1,250 @@
+"""Decode instance: pull a ticket's cache from its prefill instance, then stream tokens.
+
+Per request: handshake once per prefill instance (cached), Acquire the ticket, allocate
+blocks for the whole generation and a slot (all or nothing), plan each rank's READs with
+the packer, post them (slot FILLING), poll until every rank is DONE (slot READY; the lease
+is heartbeated meanwhile), Release the ticket, then decode step by step from the
+transferred state. Any failure Aborts the ticket and frees everything taken here.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from transfer.cache.layout import Layout
+from transfer.cache.pools import CacheFullError
+from transfer.control.client import TransferClient
+from transfer.control.errors import ControlError
+from transfer.control.metrics import WorkerMetrics
+from transfer.control.types import DecodeRequest, Ticket, TokenEvent
+from transfer.engine.router import ClientOptions
+from transfer.engine.workers.instance import Instance
+from transfer.engine.workers.ranks import RankCommandError
+from transfer.engine.workers.spec import RankReads
+from transfer.packer import StagingPolicy, TransferRequest, plan_transfer
+
+logger = logging.getLogger(__name__)
+
+POLL_INTERVAL_S = 0.0005
+
+
+@dataclass(frozen=True)
+class Peer:
+    """A prefill instance this decode instance has handshaken with."""
+
+    instance_id: str
+    address: str
+    layouts: tuple[Layout, ...]
+    client: TransferClient
+
+
+@dataclass(frozen=True)
+class Reads:
+    """The transfer of one request, planned: per-rank READs and what they move."""
+
+    per_rank: list[RankReads]
+    kv_bytes: int
+    state_bytes: int
+    descriptors: int
+
+
+def plan_reads(peer: Peer, local: tuple[Layout, ...], ticket: Ticket, blocks, slot: int) -> Reads:
+    """Per decode rank, the READs that pull `ticket`'s cache into `blocks`/`slot`."""
+    request = TransferRequest(
+        num_tokens=ticket.num_tokens,
+        src_blocks=ticket.block_ids,
+        src_slots=(ticket.slot_id,),
+        dst_blocks=tuple(blocks),
+        dst_slots=(slot,),
+    )
+    plans = plan_transfer(peer.layouts, local, request, StagingPolicy(enabled=False))
+    per_rank = [
+        RankReads(
+            tuple(
+                (s.prefill_rank, s.wire.dst, s.wire.src, s.wire.lengths)
+                for s in plan.sources
+                if len(s.wire)
+            )
+        )
+        for plan in plans
+    ]
+    return Reads(
+        per_rank,
+        sum(p.kv_bytes for p in plans),
+        sum(p.state_bytes for p in plans),
+        sum(p.descriptors for p in plans),
+    )
+
+
+class TransferFailed(ControlError):
+    def __init__(self, details: str):
+        super().__init__("UNAVAILABLE", details)
+
+
+class DecodeWorker:
+    """Serves `Decode` for one decode instance."""
+
+    def __init__(
+        self,
+        instance: Instance,
+        instance_id: str,
+        options: ClientOptions | None = None,
+        metrics: WorkerMetrics | None = None,
+        transfer_deadline_s: float = 60.0,
+    ) -> None:
+        self.instance = instance
+        self.instance_id = instance_id
+        self.options = options or ClientOptions(timeout_s=30.0)
+        self.metrics = metrics
+        self.transfer_deadline_s = transfer_deadline_s
+        self._peers: dict[str, Peer] = {}
+        self._peer_lock = threading.Lock()
+
+    # -- handshake ------------------------------------------------------------------------
+
+    def peer(self, address: str, instance_id: str = "") -> Peer:
+        """The handshaken prefill instance at `address` (again if it restarted as another)."""
+        with self._peer_lock:
+            peer = self._peers.get(address)
+            if peer is not None and (not instance_id or peer.instance_id == instance_id):
+                return peer
+            client = TransferClient(
+                address,
+                token=self.options.token,
+                tls=self.options.tls,
+                timeout_s=self.options.timeout_s,
+            )
+            try:
+                reply = client.handshake(self.instance_id, self.instance.compat)
+                layouts = tuple(Layout.from_dict(json.loads(b)) for b in reply.rank_layouts)
+                self.instance.ranks.call("add_peers", reply.instance_id, list(reply.rank_metadata))
+            except BaseException:
+                client.close()
+                raise
+            peer = Peer(reply.instance_id, address, layouts, client)
+            self._peers[address] = peer
+            logger.info("handshake with %s (%s): tp %d", reply.instance_id, address, len(layouts))
+            return peer
+
+    def forget(self, address: str) -> None:
+        """Handshake again next time (the peer may have restarted). Requests still using the
+        old `Peer` keep its client; the channel closes when the last of them lets go."""
+        with self._peer_lock:
+            self._peers.pop(address, None)
+
+    # -- decode ---------------------------------------------------------------------------
+
+    def decode(self, request: DecodeRequest) -> Iterator[TokenEvent]:
+        """Transfer the ticket's cache, then stream `max_tokens` tokens (the ticket's first
+        token is event 0; it carries the timings and transfer figures)."""
+        start = time.perf_counter()
+        ticket = request.ticket
+        if not ticket.address:
+            raise ValueError("ticket.address: the prefill instance's address is required")
+        try:
+            peer = self.peer(ticket.address, ticket.instance_id)
+            ticket = peer.client.acquire(ticket.request_id, self.instance_id)
+        except ControlError as exc:
+            if exc.code == "UNAVAILABLE":
+                self.forget(request.ticket.address)
+            raise
+        rid, pools, ranks = ticket.request_id, self.instance.pools, self.instance.ranks
+        total = ticket.num_tokens + request.max_tokens - 1  # the last token is never fed back
+        try:
+            cache = pools.allocate(rid, total)
+        except (CacheFullError, ValueError) as exc:
+            self._abort(peer, rid, f"decode {self.instance_id}: {exc}")
+            if isinstance(exc, CacheFullError):
+                raise ControlError("RESOURCE_EXHAUSTED", str(exc)) from None
+            raise
+        blocks, slot = list(cache.block_ids), cache.slot_ids[0]
+        released = False
+        try:
+            prompt_blocks = blocks[: self.instance.layouts[0].blocks_for(ticket.num_tokens)]
+            reads = plan_reads(peer, self.instance.layouts, ticket, prompt_blocks, slot)
+            transfer_s = self._transfer(peer, ticket, reads, prompt_blocks, slot)
+            if self.instance.config.dump_dir:
+                ranks.call("snapshot", rid, "decode", blocks, slot, ticket.num_tokens)
+            peer.client.release(rid, self.instance_id, ticket.block_ids, ticket.slot_id)
+            released = True
+            yield TokenEvent(
+                rid,
+                ticket.first_token,
+                0,
+                finished=request.max_tokens == 1,
+                ttft_ms=(time.perf_counter() - start) * 1e3,
+                transfer_ms=transfer_s * 1e3,
+                kv_bytes=reads.kv_bytes,
+                state_bytes=reads.state_bytes,
+                descriptors=reads.descriptors,
+            )
+            token = ticket.first_token
+            for index in range(1, request.max_tokens):
+                position = ticket.num_tokens + index - 1
+                token = ranks.call("decode_step", token, position, blocks, slot)[0]
+                yield TokenEvent(rid, token, index, finished=index == request.max_tokens - 1)
+        finally:
+            if not released:
+                self._abort(peer, rid, f"decode {self.instance_id} dropped the request")
+            try:
+                ranks.call("release", slot)
+            except (RankCommandError, ControlError) as exc:
+                logger.warning("releasing slot %d of %r on the ranks: %s", slot, rid, exc)
+            pools.free(rid)
+
+    def _transfer(self, peer: Peer, ticket: Ticket, reads: Reads, blocks, slot: int) -> float:
+        """Post every rank's READs and poll them to DONE; seconds taken. Heartbeats keep the
+        lease while waiting. Raises TransferFailed (the slot stays FILLING until released)."""
+        ranks, rid = self.instance.ranks, ticket.request_id
+        heartbeat_every = max(0.2, (ticket.lease_deadline - time.time()) / 3)
+        begin = last_beat = time.perf_counter()
+        status = "failed: not started"
+        try:
+            ranks.call("transfer_start", rid, peer.instance_id, reads.per_rank, slot, blocks,
+                       self.transfer_deadline_s)  # fmt: skip
+            while True:
+                states = ranks.call("transfer_poll", rid)
+                failed = [f"rank {r}: {s}" for r, s in enumerate(states) if s.startswith("failed")]
+                if failed:
+                    status = "; ".join(failed)
+                    break
+                if all(s == "done" for s in states):
+                    status = "done"
+                    break
+                if time.perf_counter() - last_beat > heartbeat_every:
+                    peer.client.heartbeat(rid, self.instance_id)
+                    last_beat = time.perf_counter()
+                time.sleep(POLL_INTERVAL_S)
+        finally:
+            seconds = time.perf_counter() - begin
+            try:
+                ranks.call("transfer_end", rid)
+            except (RankCommandError, ControlError) as exc:
+                logger.warning("ending transfer of %r: %s", rid, exc)
+            if self.metrics is not None:
+                moved = {"kv": reads.kv_bytes, "state": reads.state_bytes}
+                ok = status == "done"
+                self.metrics.record_transfer(
+                    "done" if ok else "failed", seconds, moved if ok else None, reads.descriptors
+                )
+        if status != "done":
+            self.forget(peer.address)
+            raise TransferFailed(f"transfer of {rid!r} from {peer.instance_id} failed: {status}")
+        return seconds
+
+    def _abort(self, peer: Peer, request_id: str, reason: str) -> None:
+        try:
+            peer.client.abort(request_id, reason)
+        except ControlError as exc:
+            logger.info("abort of %r at %s: %s", request_id, peer.address, exc)
+
+    def close(self) -> None:
+        with self._peer_lock:
+            for peer in self._peers.values():
+                peer.client.close()
+            self._peers.clear()

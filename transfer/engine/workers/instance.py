@@ -1,0 +1,160 @@
+"""The control-process side of a prefill or decode instance: its ranks, pools and identity.
+
+Both sides of a transfer must agree on the KV block size, but a memory plan picks it from
+the page sizes, which depend on TP. So an instance takes the block size a TP=1 plan picks
+(vLLM policy: the smallest block whose KV page covers the state page) and plans its own
+TP with that exact block size; per-rank state shrinks at least as fast as per-rank KV with
+TP, so the block still covers the state page and the plan keeps it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+from dataclasses import dataclass
+
+from transfer.cache.layout import Layout
+from transfer.cache.pools import CachePools
+from transfer.control.types import make_compat
+from transfer.engine.workers.procs import free_port
+from transfer.engine.workers.ranks import RankGroup
+from transfer.engine.workers.spec import WORKER_DTYPES, RankSpec
+from transfer.geometry import ModelGeometry
+from transfer.memplan import MemoryPlan, PagePolicy, plan_memory
+
+logger = logging.getLogger(__name__)
+
+BUILD_RANK_WORKER = "transfer.engine.workers.rank_worker:build_rank_worker"
+
+
+@dataclass(frozen=True)
+class InstanceConfig:
+    role: str  # "prefill" | "decode"
+    geometry: ModelGeometry
+    tp: int = 1
+    transport: str = "nixl"
+    device: str = "cpu"
+    budget_bytes: int = 256 << 20
+    max_seqs: int = 16
+    min_block_size: int = 16
+    seed: int = 0
+    dump_dir: str | None = None
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_addr: str | None = None
+    net_device: str | None = None  # UCX_NET_DEVICES for the data plane (from --data-host)
+    agent_prefix: str = ""
+
+    def __post_init__(self) -> None:
+        if self.role not in ("prefill", "decode"):
+            raise ValueError(f"role must be prefill or decode, got {self.role!r}")
+        for name in ("tp", "max_seqs", "min_block_size", "nnodes"):
+            if getattr(self, name) < 1:
+                raise ValueError(
+                    f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}"
+                )
+        if self.tp % self.nnodes:
+            raise ValueError(f"--nnodes {self.nnodes} must divide --tp {self.tp}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank must be in [0, {self.nnodes}), got {self.node_rank}")
+        if self.nnodes > 1 and not self.dist_addr:
+            raise ValueError("--dist-addr HOST:PORT is required when --nnodes > 1")
+        self.geometry.check_tp(self.tp)
+
+    @property
+    def is_leader(self) -> bool:
+        return self.node_rank == 0
+
+
+def plan_for(config: InstanceConfig) -> MemoryPlan:
+    """The memory plan of one rank, with a block size that does not depend on TP."""
+    geometry, budget = config.geometry, config.budget_bytes
+    common = dict(dtypes=WORKER_DTYPES, page_policy=PagePolicy.VLLM)
+    block = plan_memory(geometry, 1, budget, config.max_seqs, config.min_block_size, **common)
+    plan = plan_memory(
+        geometry,
+        config.tp,
+        budget,
+        config.max_seqs,
+        block.block_size,
+        alignment=block.block_size,
+        **common,
+    )
+    if plan.block_size != block.block_size:
+        raise ValueError(
+            f"--tp {config.tp}: the memory plan wants {plan.block_size}-token blocks, "
+            f"TP=1 wants {block.block_size}; raise --block-size to {plan.block_size}"
+        )
+    return plan
+
+
+def rank_specs(config: InstanceConfig, plan: MemoryPlan) -> list[RankSpec]:
+    """This node's ranks."""
+    per_node = config.tp // config.nnodes
+    dist_init = None
+    if config.tp > 1:
+        dist_init = f"tcp://{config.dist_addr or f'127.0.0.1:{free_port()}'}"
+    prefix = config.agent_prefix or f"{config.role}-{socket.gethostname()}-{os.getpid()}"
+    env = (("UCX_NET_DEVICES", config.net_device),) if config.net_device else ()
+    return [
+        RankSpec(
+            role=config.role,
+            instance_id=prefix,
+            geometry=config.geometry,
+            tp=config.tp,
+            rank=rank,
+            plan=plan,
+            transport=config.transport,
+            device=config.device,
+            local_rank=rank - config.node_rank * per_node,
+            seed=config.seed,
+            dist_init=dist_init,
+            dump_dir=config.dump_dir,
+            env=env,
+        )
+        for rank in range(config.node_rank * per_node, (config.node_rank + 1) * per_node)
+    ]
+
+
+class Instance:
+    """Starts this node's ranks; on the leader node also the pools and the handshake identity."""
+
+    def __init__(self, config: InstanceConfig) -> None:
+        self.config = config
+        self.plan = plan_for(config)
+        self.ranks = RankGroup(rank_specs(config, self.plan), BUILD_RANK_WORKER)
+        if not config.is_leader:
+            return
+        try:
+            infos = self.ranks.call("info")
+        except Exception:
+            self.ranks.close()
+            raise
+        self.rank_metadata = tuple(meta for meta, _ in infos)
+        self.rank_layouts = tuple(layout for _, layout in infos)
+        self.layouts = tuple(Layout.from_dict(json.loads(b)) for b in self.rank_layouts)
+        self.pools = CachePools.from_plan(self.plan)
+        fields = self.layouts[0].compat_fields()
+        self.compat = make_compat(**{k: str(v) for k, v in fields.items()})
+        logger.info(
+            "%s: tp %d, %d KV blocks of %d tokens, %d state slots, %s transport",
+            config.role,
+            config.tp,
+            self.plan.num_kv_blocks,
+            self.plan.block_size,
+            self.plan.num_state_slots,
+            config.transport,
+        )
+
+    @property
+    def block_size(self) -> int:
+        return self.plan.block_size
+
+    def free_counts(self) -> tuple[int, int]:
+        """(free KV blocks, free state slots)."""
+        return self.pools.blocks.num_free, self.pools.slots.num_free
+
+    def close(self) -> None:
+        self.ranks.close()

@@ -1,0 +1,108 @@
+"""Prefill instance: run a prompt on all ranks, publish a ticket, free the cache when told.
+
+The ticket store calls `_on_free` exactly once per ticket (Release, Abort or lease expiry);
+that is the only place a published request's blocks and slot go back to the pools.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from transfer.cache.pools import CacheFullError
+from transfer.control.errors import ControlError
+from transfer.control.metrics import WorkerMetrics
+from transfer.control.tickets import TicketStore
+from transfer.control.types import (
+    ControlConfig,
+    FreeReason,
+    HandshakeReply,
+    PrefillRequest,
+    Ticket,
+    compat_hash,
+)
+from transfer.engine.workers.instance import Instance
+from transfer.engine.workers.ranks import RankCommandError, RankGroupDead
+
+logger = logging.getLogger(__name__)
+
+
+class PrefillWorker:
+    """Serves `Prefill` and (through `store`) the TransferService of one instance."""
+
+    def __init__(
+        self,
+        instance: Instance,
+        instance_id: str,
+        address: str,
+        lease_s: float,
+        metrics: WorkerMetrics | None = None,
+    ) -> None:
+        self.instance = instance
+        self.instance_id = instance_id
+        plan = instance.plan
+        config = ControlConfig(
+            num_kv_blocks=plan.num_kv_blocks,
+            num_state_slots=plan.num_state_slots,
+            block_size=plan.block_size,
+            max_blocks_per_request=plan.num_kv_blocks,
+            lease_s=lease_s,
+        )
+        self.store = TicketStore(
+            config, self._on_free, instance_id=instance_id, address=address, metrics=metrics
+        )
+        self.identity = HandshakeReply(
+            instance_id=instance_id,
+            compat=instance.compat,
+            compat_hash=compat_hash(instance.compat),
+            rank_metadata=instance.rank_metadata,
+            rank_layouts=instance.rank_layouts,
+        )
+
+    def start(self) -> PrefillWorker:
+        self.store.start()
+        return self
+
+    def prefill(self, request: PrefillRequest) -> Ticket:
+        """Run the prompt; the ticket names the blocks and slot that hold its cache."""
+        vocab = self.instance.config.geometry.vocab_size
+        bad = [t for t in request.prompt_ids if t >= vocab]
+        if bad:
+            raise ValueError(f"prompt_ids: token ids must be < vocab size {vocab}, got {bad[:5]}")
+        num_tokens = len(request.prompt_ids)
+        pools = self.instance.pools
+        try:
+            cache = pools.allocate(request.request_id, num_tokens)
+        except CacheFullError as exc:
+            raise ControlError("RESOURCE_EXHAUSTED", str(exc)) from None
+        blocks, slot = list(cache.block_ids), cache.slot_ids[0]
+        ranks = self.instance.ranks
+        try:
+            first = _same(ranks.call("prefill", list(request.prompt_ids), blocks, slot), "prefill")
+            if self.instance.config.dump_dir:
+                ranks.call("snapshot", request.request_id, "prefill", blocks, slot, num_tokens)
+            return self.store.publish(request.request_id, blocks, slot, num_tokens, first)
+        except BaseException:
+            self._free(request.request_id, slot)
+            raise
+
+    def _on_free(self, ticket: Ticket, reason: FreeReason) -> None:
+        if reason is not FreeReason.RELEASED:
+            logger.info("request %r freed: %s", ticket.request_id, reason.value)
+        self._free(ticket.request_id, ticket.slot_id)
+
+    def _free(self, request_id: str, slot: int) -> None:
+        try:
+            self.instance.ranks.call("release", slot)
+        except (RankCommandError, RankGroupDead) as exc:
+            logger.warning("releasing slot %d of %r on the ranks: %s", slot, request_id, exc)
+        self.instance.pools.free(request_id)
+
+    def close(self) -> None:
+        self.store.stop()
+
+
+def _same(results: list, what: str):
+    """The value every rank agreed on (they broadcast rank 0's choice)."""
+    if any(r != results[0] for r in results):
+        raise RuntimeError(f"{what}: ranks disagree: {results}")
+    return results[0]

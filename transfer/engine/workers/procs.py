@@ -1,0 +1,179 @@
+"""Start `pdxfer serve` processes, learn their bound ports, and stop them with all their ranks.
+
+Each serve process runs in its own session (so its process group holds its TP rank
+processes too, and a Ctrl-C in the terminal reaches only the launcher, which then stops
+the groups in order). On Linux it also gets SIGTERM when the launcher dies, so a killed
+launcher leaves no server behind. A serve process announces itself with one line on
+stdout: `PDXFER-READY {"role": ..., "address": "host:port", "metrics_port": ...}`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+READY_PREFIX = "PDXFER-READY "
+LAUNCH_ID_ENV = "PDXFER_LAUNCH_ID"
+
+
+_MAIN = "import sys; from transfer.cli import main; sys.exit(main())"
+
+
+def ready_line(role: str, address: str, metrics_port: int) -> str:
+    info = {"role": role, "address": address, "metrics_port": metrics_port, "pid": os.getpid()}
+    return READY_PREFIX + json.dumps(info, sort_keys=True)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the parent exits (Linux prctl PR_SET_PDEATHSIG)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+
+
+@dataclass
+class ServeProcess:
+    """One started `pdxfer serve ROLE`; `address` is set once it printed its READY line."""
+
+    role: str
+    popen: subprocess.Popen
+    stdout_path: Path
+    stderr_path: Path
+    address: str = ""
+    metrics_port: int = 0
+    _stdout: object = field(default=None, repr=False)
+    _stderr: object = field(default=None, repr=False)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            text = self.stderr_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def poll_ready(self) -> bool:
+        """Whether the READY line has appeared (sets `address`); raises if the process died."""
+        if self.address:
+            return True
+        for line in self.stdout_path.read_text(errors="replace").splitlines():
+            if line.startswith(READY_PREFIX):
+                info = json.loads(line[len(READY_PREFIX) :])
+                self.address = info["address"]
+                self.metrics_port = int(info.get("metrics_port", 0))
+                return True
+        code = self.popen.poll()
+        if code is not None:
+            raise RuntimeError(
+                f"serve {self.role} exited with code {code} before it was ready:\n{self.log_tail()}"
+            )
+        return False
+
+
+def start_serve(
+    role: str, serve_args: list[str], log_dir: Path, env: dict[str, str] | None = None
+) -> ServeProcess:
+    """Start `pdxfer serve ROLE ARGS...` (this interpreter) with stdout/stderr in `log_dir`."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    stdout_path = log_dir / f"{role}.out"
+    stderr_path = log_dir / f"{role}.log"
+    out = open(stdout_path, "w")  # noqa: SIM115 - closed in stop_all
+    err = open(stderr_path, "w")  # noqa: SIM115
+    cmd = [sys.executable, "-c", _MAIN, "serve", role, *serve_args]
+    popen = subprocess.Popen(
+        cmd,
+        stdin=subprocess.DEVNULL,
+        stdout=out,
+        stderr=err,
+        env={**os.environ, **(env or {})},
+        start_new_session=True,
+        preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+    )
+    return ServeProcess(role, popen, stdout_path, stderr_path, _stdout=out, _stderr=err)
+
+
+def wait_ready(procs: list[ServeProcess], timeout_s: float) -> None:
+    """Wait until every process printed its READY line; RuntimeError names the laggard."""
+    deadline = time.monotonic() + timeout_s
+    pending = list(procs)
+    while pending:
+        pending = [p for p in pending if not p.poll_ready()]
+        if not pending:
+            return
+        if time.monotonic() > deadline:
+            names = ", ".join(p.role for p in pending)
+            tails = "\n".join(f"--- {p.role} ---\n{p.log_tail()}" for p in pending)
+            raise RuntimeError(f"serve {names} not ready within {timeout_s:g}s:\n{tails}")
+        time.sleep(0.05)
+
+
+def _signal_group(proc: ServeProcess, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, sig)  # the session leader's pid is its group id
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def stop_all(procs: list[ServeProcess], grace_s: float = 10.0) -> None:
+    """SIGTERM every process group, wait up to `grace_s`, then SIGKILL what is left."""
+    for proc in procs:
+        _signal_group(proc, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
+    # Rank processes outlive their control process only briefly (they watch its pipe).
+    while time.monotonic() < deadline and any(_group_alive(p.pid) for p in procs):
+        time.sleep(0.05)
+    for proc in procs:
+        _signal_group(proc, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.popen.wait(timeout=5.0)
+        for handle in (proc._stdout, proc._stderr):
+            if handle is not None:
+                handle.close()
+
+
+def processes_with_env(key: str, value: str) -> list[int]:
+    """Pids (Linux /proc) whose environment holds `key=value`: leftovers of a launch run."""
+    needle = f"{key}={value}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+        except OSError:
+            continue
+        if needle in environ.split(b"\0"):
+            found.append(int(entry.name))
+    return found

@@ -1,0 +1,170 @@
+"""What one TP rank process holds and does: its arena, transport agent and model shard.
+
+Every public method is a command the control process runs on all ranks at once
+(`RankGroup.call`); each rank acts on its own shard and answers for itself.
+
+A transfer into this rank is asynchronous: `transfer_start` marks the slot and blocks
+FILLING and posts the READs, later commands (decode steps of other requests) run while the
+bytes land, and `transfer_poll` marks the slot READY only once every READ is DONE. A step
+on a FILLING slot or block raises (REFERENCE.md §5 bug 6), and nothing on the decode side
+ever starts a transferred slot from zeros (bug 4): only `prefill` does that.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from transfer.cache.arena import Arena
+from transfer.cache.layout import Layout
+from transfer.dataplane import Op, RangeBatch, make_transport
+from transfer.engine.caches import ArenaCaches
+from transfer.engine.runner import RankEngine
+from transfer.engine.verify import save_snapshot, snapshot_request
+from transfer.engine.workers.spec import WORKER_DTYPES, RankReads, RankSpec
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Transfer:
+    slot: int
+    handles: list[int] = field(default_factory=list)
+    result: str = ""  # "" while pending, then "done" or "failed: ..."
+
+
+def build_rank_worker(spec: RankSpec, group) -> RankWorker:
+    """The `build` function `RankGroup` runs in each rank process."""
+    return RankWorker(spec, group)
+
+
+def layout_for(spec: RankSpec) -> Layout:
+    return Layout.from_memplan(spec.geometry, spec.tp, spec.rank, spec.plan, WORKER_DTYPES)
+
+
+class RankWorker:
+    def __init__(self, spec: RankSpec, group) -> None:
+        os.environ.update(dict(spec.env))
+        self.spec = spec
+        if spec.device == "cuda":
+            torch.cuda.set_device(spec.local_rank)
+            device = torch.device("cuda", spec.local_rank)
+        else:
+            device = torch.device("cpu")
+            if "OMP_NUM_THREADS" not in os.environ:
+                # One thread per rank: ranks of both instances share the cores.
+                torch.set_num_threads(1)
+        self.layout = layout_for(spec)
+        self.arena = Arena.allocate(self.layout, device)
+        self.arena.buffer.zero_()
+        self.caches = ArenaCaches(self.arena)
+        self.engine = RankEngine(spec.geometry, self.caches, group, spec.seed, device)
+        self.transport = make_transport(spec.transport, spec.agent_name)
+        self.metadata = self.transport.register(self.arena.buffer)
+        self.peers: dict[str, list[str]] = {}  # prefill instance -> peer name of each rank
+        self.transfers: dict[str, _Transfer] = {}
+
+    # -- handshake ------------------------------------------------------------------------
+
+    def info(self) -> tuple[bytes, bytes]:
+        """(transport metadata, layout as JSON bytes) of this rank."""
+        return self.metadata, json.dumps(self.layout.to_dict()).encode()
+
+    def add_peers(self, instance: str, metadata: list[bytes]) -> None:
+        """Connect to every rank of prefill instance `instance` (again, after a restart)."""
+        self.peers[instance] = [self.transport.add_peer(m) for m in metadata]
+
+    # -- prefill side ---------------------------------------------------------------------
+
+    def prefill(self, prompt_ids: list[int], block_ids: list[int], slot: int) -> int:
+        return self.engine.prefill(prompt_ids, block_ids, slot)
+
+    def snapshot(
+        self, request_id: str, side: str, block_ids: list[int], slot: int, num_tokens: int
+    ) -> None:
+        """Write this rank's cache of the request for `launch --verify` (needs a dump dir)."""
+        if not self.spec.dump_dir:
+            raise ValueError("snapshot: this instance was started without --dump-dir")
+        snap = snapshot_request(self.spec.geometry, self.caches, block_ids, slot, num_tokens)
+        save_snapshot(self.spec.dump_dir, request_id, side, self.spec.rank, snap)
+
+    def release(self, slot: int) -> None:
+        self.engine.release(slot)
+
+    # -- decode side ----------------------------------------------------------------------
+
+    def transfer_start(
+        self,
+        request_id: str,
+        instance: str,
+        reads: list[RankReads],
+        slot: int,
+        block_ids: list[int],
+        deadline_s: float,
+    ) -> None:
+        """Mark `slot`/`block_ids` FILLING and post this rank's READs from `instance`."""
+        if request_id in self.transfers:
+            raise ValueError(f"request_id {request_id!r}: a transfer is already in flight")
+        if instance not in self.peers:
+            raise ValueError(f"instance {instance!r}: no handshake with it yet")
+        self.engine.mark_filling(slot, block_ids)
+        transfer = _Transfer(slot)
+        self.transfers[request_id] = transfer
+        peers = self.peers[instance]
+        try:
+            for p_rank, local, remote, nbytes in reads[self.spec.rank].batches:
+                batch = RangeBatch(local, remote, nbytes)
+                handle = self.transport.post(Op.READ, peers[p_rank], batch, deadline_s=deadline_s)
+                transfer.handles.append(handle)
+        except Exception:
+            self.transfer_end(request_id)
+            raise
+
+    def transfer_poll(self, request_id: str) -> str:
+        """ "pending", "done" (the slot is READY now) or "failed: <reason>"; a finished
+        transfer keeps answering the same until `transfer_end`."""
+        transfer = self._transfer(request_id)
+        if transfer.result:
+            return transfer.result
+        statuses = [self.transport.poll(handle) for handle in transfer.handles]
+        reasons = [s.reason for s in statuses if s.failed]
+        if reasons:
+            self._drop_handles(transfer)
+            transfer.result = "failed: " + "; ".join(reasons)
+        elif not any(s.pending for s in statuses):
+            self._drop_handles(transfer)
+            self.engine.mark_ready(transfer.slot)
+            transfer.result = "done"
+        return transfer.result or "pending"
+
+    def transfer_end(self, request_id: str) -> None:
+        """Forget a transfer, cancelling READs still in flight. A slot whose transfer did not
+        finish stays FILLING until `release`, so nothing reads half-written bytes."""
+        transfer = self.transfers.pop(request_id, None)
+        if transfer is not None:
+            self._drop_handles(transfer)
+
+    def _drop_handles(self, transfer: _Transfer) -> None:
+        for handle in transfer.handles:
+            with contextlib.suppress(ValueError):
+                self.transport.release(handle)
+        transfer.handles.clear()
+
+    def decode_step(self, token: int, position: int, block_ids: list[int], slot: int) -> int:
+        return self.engine.decode_step(token, position, block_ids, slot)
+
+    def _transfer(self, request_id: str) -> _Transfer:
+        try:
+            return self.transfers[request_id]
+        except KeyError:
+            raise ValueError(f"request_id {request_id!r}: no transfer in flight") from None
+
+    def close(self) -> None:
+        for request_id in list(self.transfers):
+            self.transfer_end(request_id)
+        self.transport.close()

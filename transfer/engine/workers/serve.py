@@ -1,0 +1,245 @@
+"""`pdxfer serve prefill|decode|router`: one long-running process per instance.
+
+A prefill or decode process starts its TP rank processes, then its gRPC control server
+(health, reflection, optional token auth and TLS) and its Prometheus endpoint, prints
+`PDXFER-READY {...}` on stdout, and serves until SIGINT/SIGTERM or until a rank dies.
+With `--nnodes N`, node ranks > 0 run only their TP ranks, which follow the leader's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import ipaddress
+import logging
+import os
+import signal
+import socket
+import struct
+import sys
+import threading
+import time
+
+from transfer.control.auth import TlsConfig
+from transfer.control.metrics import WorkerMetrics, serve_metrics
+from transfer.control.server import serve as serve_control
+from transfer.engine.router import ClientOptions, Router, RouterMetrics, join_address
+from transfer.engine.workers.procs import free_port, ready_line
+from transfer.units import parse_size
+
+logger = logging.getLogger("pdxfer.serve")
+
+SIOCGIFADDR = 0x8915
+
+
+def auth_token(args: argparse.Namespace) -> str | None:
+    """--auth-token-file (or PDXFER_AUTH_TOKEN_FILE), else PDXFER_AUTH_TOKEN, else none."""
+    if args.auth_token_file:
+        with open(args.auth_token_file) as f:
+            token = f.read().strip()
+        if not token:
+            raise ValueError(f"--auth-token-file {args.auth_token_file}: the file is empty")
+        return token
+    return os.environ.get("PDXFER_AUTH_TOKEN") or None
+
+
+def tls_configs(args: argparse.Namespace) -> tuple[TlsConfig | None, TlsConfig | None]:
+    """(server TLS, client TLS for calls to other instances). The certificate doubles as
+    the client certificate, so `--tls-ca` on every instance gives mutual TLS."""
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise ValueError("--tls-cert and --tls-key must be given together")
+    server = (
+        TlsConfig.from_files(args.tls_cert, args.tls_key, args.tls_ca) if args.tls_cert else None
+    )
+    client = None
+    if args.tls_cert or args.tls_ca:
+        client = TlsConfig.from_files(args.tls_cert, args.tls_key, args.tls_ca)
+    return server, client
+
+
+def interface_of(host: str) -> str | None:
+    """The network interface holding IPv4 address `host` (for UCX_NET_DEVICES), or None."""
+    try:
+        ip = ipaddress.ip_address(socket.gethostbyname(host))
+    except (OSError, ValueError):
+        raise ValueError(f"--data-host: cannot resolve {host!r}") from None
+    if ip.is_unspecified:
+        return None
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for _, name in socket.if_nameindex():
+            try:
+                packed = fcntl.ioctl(
+                    sock.fileno(), SIOCGIFADDR, struct.pack("256s", name.encode()[:15])
+                )
+            except OSError:
+                continue
+            if socket.inet_ntoa(packed[20:24]) == str(ip):
+                return name
+    raise ValueError(f"--data-host: no local interface has address {ip}")
+
+
+def advertised_host(host: str) -> str:
+    """The host to put in tickets: the bind address, or this machine's address for 0.0.0.0."""
+    if host in ("0.0.0.0", "::", ""):
+        try:
+            return socket.gethostbyname(socket.gethostname())
+        except OSError:
+            return "127.0.0.1"
+    return host
+
+
+def _install_stop() -> threading.Event:
+    stop = threading.Event()
+
+    def handler(signum, frame):
+        logger.info("signal %d: shutting down", signum)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+    return stop
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Run one instance until stopped; 0 on a clean stop, 1 when its ranks died."""
+    logging.basicConfig(
+        level=logging.INFO,
+        stream=sys.stderr,
+        format=f"%(asctime)s {args.role} %(levelname)s %(message)s",
+    )
+    stop = _install_stop()
+    token = auth_token(args)
+    server_tls, client_tls = tls_configs(args)
+    if args.role == "router":
+        return _serve_router(args, token, server_tls, client_tls, stop)
+    return _serve_worker(args, token, server_tls, client_tls, stop)
+
+
+def _announce(role: str, server, metrics_server) -> None:
+    port = metrics_server.port if metrics_server else 0
+    print(ready_line(role, server.address, port), flush=True)
+    logger.info("serving on %s (metrics port %s)", server.address, port or "off")
+
+
+def _metrics(args, metrics):
+    if not args.metrics_port:
+        return None
+    return serve_metrics(metrics, host=args.host, port=args.metrics_port)
+
+
+def _serve_router(args, token, server_tls, client_tls, stop: threading.Event) -> int:
+    metrics = RouterMetrics()
+    router = Router(args.prefill, args.decode, ClientOptions(token, client_tls), metrics)
+    server = serve_control(
+        join_address(args.host, args.port), generate=router.generate, token=token, tls=server_tls
+    )
+    metrics_server = _metrics(args, metrics)
+    _announce("router", server, metrics_server)
+    try:
+        stop.wait()
+    finally:
+        server.set_serving(False)
+        server.stop(grace=2.0)
+        router.close()
+        if metrics_server:
+            metrics_server.stop()
+    return 0
+
+
+def instance_config(args: argparse.Namespace):
+    from transfer.engine.workers.instance import InstanceConfig
+    from transfer.presets import load_geometry
+
+    model = args.model if (args.model or args.hf_config) else "tiny-qwen3-next"
+    if args.lease_seconds <= 0:
+        raise ValueError(f"--lease-seconds must be > 0, got {args.lease_seconds}")
+    return InstanceConfig(
+        role=args.role,
+        geometry=load_geometry(model, args.hf_config),
+        tp=args.tp,
+        transport=args.transport,
+        device=args.device,
+        budget_bytes=parse_size(args.gpu_mem, "--gpu-mem"),
+        max_seqs=args.max_seqs,
+        min_block_size=args.block_size,
+        seed=args.seed,
+        dump_dir=getattr(args, "dump_dir", None),
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        dist_addr=args.dist_addr,
+        net_device=interface_of(args.data_host) if args.data_host else None,
+    )
+
+
+def _serve_worker(args, token, server_tls, client_tls, stop: threading.Event) -> int:
+    from transfer.engine.workers.decode import DecodeWorker
+    from transfer.engine.workers.instance import Instance
+    from transfer.engine.workers.prefill import PrefillWorker
+
+    config = instance_config(args)
+    instance = Instance(config)
+    if not config.is_leader:
+        logger.info("node %d of %d: serving TP ranks only", config.node_rank, config.nnodes)
+        return _wait(stop, instance, server=None, closers=[])
+    metrics = WorkerMetrics()
+    metrics.track_pools(
+        kv_blocks_free=lambda: instance.pools.blocks.num_free,
+        kv_blocks_total=lambda: instance.pools.blocks.num_total,
+        state_slots_free=lambda: instance.pools.slots.num_free,
+        state_slots_total=lambda: instance.pools.slots.num_total,
+    )
+    # Tickets and handshakes name this instance by its address, so pick the port first.
+    port = args.port or free_port(args.host)
+    address = join_address(advertised_host(args.host), port)
+    instance_id = args.instance_id or address
+    bind = join_address(args.host, port)
+    closers = []
+    try:
+        if args.role == "prefill":
+            worker = PrefillWorker(instance, instance_id, address, args.lease_seconds, metrics)
+            server = serve_control(
+                bind,
+                store=worker.store,
+                identity=worker.identity,
+                prefill=worker.prefill,
+                token=token,
+                tls=server_tls,
+            )
+            worker.start()
+        else:
+            options = ClientOptions(token, client_tls)
+            worker = DecodeWorker(instance, instance_id, options, metrics)
+            server = serve_control(bind, decode=worker.decode, token=token, tls=server_tls)
+        closers.append(worker.close)
+        metrics_server = _metrics(args, metrics)
+        if metrics_server:
+            closers.append(metrics_server.stop)
+        _announce(args.role, server, metrics_server)
+    except BaseException:
+        for close in closers:
+            close()
+        instance.close()
+        raise
+    return _wait(stop, instance, server, closers)
+
+
+def _wait(stop: threading.Event, instance, server, closers) -> int:
+    code = 0
+    try:
+        while not stop.wait(1.0):
+            if not instance.ranks.alive:
+                logger.error("a TP rank process died; stopping")
+                code = 1
+                break
+    finally:
+        began = time.monotonic()
+        if server is not None:
+            server.set_serving(False)
+            server.stop(grace=2.0)
+        logger.info("server stopped after %.2fs", time.monotonic() - began)
+        for close in closers:
+            close()
+        logger.info("workers closed after %.2fs", time.monotonic() - began)
+        instance.close()
+        logger.info("ranks stopped after %.2fs", time.monotonic() - began)
+    return code

@@ -1,0 +1,51 @@
+"""What the control process hands its rank processes: torch-free, so it imports fast."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from transfer.geometry import ModelGeometry
+from transfer.memplan import MemoryPlan
+from transfer.sizing import CacheDtypes
+
+# fp32 caches: the colocated reference keeps fp32 too, so tokens match exactly.
+WORKER_DTYPES = CacheDtypes(kv=4, ssm=4, conv=4)
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """Everything a rank process needs to build itself (pickled to the spawned process)."""
+
+    role: str  # "prefill" | "decode"
+    instance_id: str
+    geometry: ModelGeometry
+    tp: int
+    rank: int
+    plan: MemoryPlan
+    transport: str
+    device: str = "cpu"
+    local_rank: int = 0
+    seed: int = 0
+    dist_init: str | None = None
+    dump_dir: str | None = None
+    env: tuple[tuple[str, str], ...] = ()  # set before the transport starts (UCX_NET_DEVICES)
+
+    @property
+    def agent_name(self) -> str:
+        return f"{self.instance_id}/{self.role}/rank{self.rank}"
+
+
+@dataclass(frozen=True)
+class RankReads:
+    """One decode rank's share of a transfer: READs from each prefill rank, as int64 columns
+    (local = this rank's arena, remote = the prefill rank's arena)."""
+
+    batches: tuple[
+        tuple[int, np.ndarray, np.ndarray, np.ndarray], ...
+    ]  # (p_rank, local, remote, nbytes)
+
+    @property
+    def descriptors(self) -> int:
+        return sum(len(b[3]) for b in self.batches)

@@ -1,0 +1,22 @@
+"""The packer: which byte ranges each decode rank reads from which prefill rank.
+
+It works only on layouts and ids, never on tensors (docs/packer.md).
+"""
+
+from transfer.packer.build import StagingPolicy, coalesce, plan_transfer
+from transfer.packer.pieces import source_rank
+from transfer.packer.plan import Mode, Ranges, SourcePlan, TransferPlan
+from transfer.packer.request import TransferRequest, validate
+
+__all__ = [
+    "Mode",
+    "Ranges",
+    "SourcePlan",
+    "StagingPolicy",
+    "TransferPlan",
+    "TransferRequest",
+    "coalesce",
+    "plan_transfer",
+    "source_rank",
+    "validate",
+]
