@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import torch
 
 INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -50,6 +52,9 @@ def check_delta_rule_args(
     for name, t in named.items():
         if t.dtype not in INPUT_DTYPES:
             raise ValueError(f"{name}: dtype {t.dtype} not in fp32/bf16/fp16 (shape {_shape(t)})")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise ValueError(f"{name}: dtype {t.dtype} differs from q's {q.dtype}")
     if initial_state is not None:
         named["initial_state"] = initial_state
     if cu_seqlens is not None:
@@ -67,7 +72,7 @@ def check_delta_rule_args(
         if cu_seqlens.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"cu_seqlens: dtype {cu_seqlens.dtype} is not int32/int64")
         offsets = cu_seqlens.tolist()
-        if offsets[0] != 0 or offsets[-1] != T or any(a > b for a, b in zip(offsets, offsets[1:])):
+        if offsets[0] != 0 or offsets[-1] != T or any(a > b for a, b in pairwise(offsets)):
             raise ValueError(
                 f"cu_seqlens: expected non-decreasing offsets from 0 to T={T}, got {offsets}"
             )

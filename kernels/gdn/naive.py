@@ -6,6 +6,8 @@ Per value head, with state S [K, V] and scalar log-decay g_t:
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import torch
 
 from .args import L2NORM_EPS
@@ -31,7 +33,7 @@ def spans(batch: int, seqlen: int, cu_seqlens: torch.Tensor | None) -> list[tupl
     if cu_seqlens is None:
         return [(b, 0, seqlen) for b in range(batch)]
     offsets = cu_seqlens.tolist()
-    return [(0, bos, eos) for bos, eos in zip(offsets, offsets[1:])]
+    return [(0, bos, eos) for bos, eos in pairwise(offsets)]
 
 
 def start_state(initial_state, n, heads, K, V, device) -> torch.Tensor:

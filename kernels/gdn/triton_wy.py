@@ -9,6 +9,7 @@ chunk matrices A, Ai [T_all, HV, BT] (row t holds its chunk's row, columns 0..BT
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import pairwise
 
 import torch
 import triton
@@ -38,11 +39,10 @@ class ChunkLayout:
 def chunk_layout(
     batch: int, seqlen: int, cu_seqlens: torch.Tensor | None, chunk_size: int, device
 ) -> ChunkLayout:
-    if cu_seqlens is None:
-        offsets = [b * seqlen for b in range(batch + 1)]
-    else:
-        offsets = cu_seqlens.tolist()
-    counts = [triton.cdiv(eos - bos, chunk_size) for bos, eos in zip(offsets, offsets[1:])]
+    offsets = (
+        cu_seqlens.tolist() if cu_seqlens is not None else [b * seqlen for b in range(batch + 1)]
+    )
+    counts = [triton.cdiv(eos - bos, chunk_size) for bos, eos in pairwise(offsets)]
     indices = [(n, c) for n, count in enumerate(counts) for c in range(count)]
     firsts = [0]
     for count in counts:
@@ -64,11 +64,6 @@ def empty_final(h0, layout: ChunkLayout, HV: int, K: int, V: int, like: torch.Te
     return torch.zeros(layout.num_seqs, HV, K, V, dtype=torch.float32, device=like.device)
 
 
-def dot_precision(dtype: torch.dtype) -> str:
-    """fp32 inputs keep fp32 products; half-precision inputs may use tf32 tensor cores."""
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
 def key_block(K: int) -> int:
     """Width of the K tiles that loop over the key dimension."""
     return min(64, max(16, triton.next_power_of_2(K)))
@@ -85,6 +80,21 @@ def value_block(V: int) -> int:
     return min(64, max(16, triton.next_power_of_2(V)))
 
 
+def f32_dot() -> bool:
+    """True under the Triton interpreter, whose tl.dot multiplies bf16/fp16 bits as integers."""
+    return bool(triton.knobs.runtime.interpret)
+
+
+@triton.jit
+def mma(a, b, F32_DOT: tl.constexpr):
+    """a @ b, fp32 accumulation, on operands the caller rounded to the input dtype (tensor-core
+    bf16 on a GPU). With F32_DOT they are widened back to fp32 first: the same exact products."""
+    if F32_DOT:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, input_precision="ieee")
+
+
 @triton.jit
 def chunk_span(cu_seqlens, chunk_indices, i_t, BT: tl.constexpr):
     """First token of global chunk i_t and the end token of its sequence."""
@@ -96,20 +106,22 @@ def chunk_span(cu_seqlens, chunk_indices, i_t, BT: tl.constexpr):
 
 
 @triton.jit
-def l2norm_kernel(x, y, n_rows, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr, EPS: tl.constexpr):
+def l2norm_kernel(
+    x, y, n_rows, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr, EPS: tl.constexpr
+):
     rows = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
     cols = tl.arange(0, BD)
     mask = (rows < n_rows)[:, None] & (cols < D)[None, :]
     offs = rows[:, None] * D + cols[None, :]
     b_x = tl.load(x + offs, mask=mask, other=0.0).to(tl.float32)
     b_y = b_x / tl.sqrt(tl.sum(b_x * b_x, 1) + EPS)[:, None]
-    tl.store(y + offs, b_y, mask=mask)
+    tl.store(y + offs, b_y.to(y.dtype.element_ty), mask=mask)
 
 
 def l2norm_rows(x: torch.Tensor) -> torch.Tensor:
-    """fp32 x / sqrt(sum(x^2) + eps) over the last dim."""
+    """x / sqrt(sum(x^2) + eps) over the last dim, computed in fp32, stored in x's dtype."""
     D = x.shape[-1]
-    y = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    y = torch.empty_like(x)
     n_rows = x.numel() // D
     BR = 16
     l2norm_kernel[(triton.cdiv(n_rows, BR),)](
@@ -153,72 +165,61 @@ def chunk_cumsum(g: torch.Tensor, layout: ChunkLayout) -> torch.Tensor:
 
 @triton.jit
 def _inverse_unit_lower_16(a):
-    """(I + a)^-1 for a strictly lower [16, 16] tile, by forward substitution on rows."""
+    """(I + a)^-1 for a strictly lower [16, 16] tile by forward substitution: step i sets row i
+    to e_i - a_i t (a_i picks a's row i; t's rows from i on are still identity rows)."""
     o = tl.arange(0, 16)
-    eye = (o[:, None] == o[None, :]).to(tl.float32)
-    t = eye
+    t = (o[:, None] == o[None, :]).to(tl.float32)
     for i in range(1, 16):
-        a_i = tl.sum(tl.where(o[:, None] == i, a, 0.0), 0)
-        t_i = tl.sum(a_i[:, None] * t, 0)
-        t = tl.where(o[:, None] == i, eye - t_i[None, :], t)
+        t -= tl.dot(tl.where(o[:, None] == i, a, 0.0), t, input_precision="ieee")
     return t
-
-
-@triton.jit
-def _load_tile(A, start, eos, i_h, HV: tl.constexpr, BT: tl.constexpr, bi: tl.constexpr, bj: tl.constexpr):
-    o = tl.arange(0, 16)
-    rows = start + bi * 16 + o
-    mask = (rows < eos)[:, None] & ((start + bj * 16 + o) < eos)[None, :]
-    return tl.load(A + (rows[:, None] * HV + i_h) * BT + bj * 16 + o[None, :], mask=mask, other=0.0)
-
-
-@triton.jit
-def _store_tile(Ai, t, start, eos, i_h, HV: tl.constexpr, BT: tl.constexpr, bi: tl.constexpr, bj: tl.constexpr):
-    o = tl.arange(0, 16)
-    rows = start + bi * 16 + o
-    tl.store(Ai + (rows[:, None] * HV + i_h) * BT + bj * 16 + o[None, :], t, mask=(rows < eos)[:, None])
-
-
-@triton.jit
-def _mm(a, b):
-    return tl.dot(a, b, input_precision="ieee")
 
 
 @triton.jit
 def solve_unit_lower_kernel(A, Ai, cu_seqlens, chunk_indices, HV: tl.constexpr, BT: tl.constexpr):
     """Ai = (I + A)^-1 per chunk: invert the 16x16 diagonal tiles, then merge the off-diagonal
-    tiles with Ai_ij = -Ai_ii sum_{j<=m<i} A_im Ai_mj. Upper tiles of Ai are left unwritten."""
+    tiles with Ai_ij = -Ai_ii sum_{j<=m<i} A_im Ai_mj. Upper tiles of Ai are left unwritten.
+    Tile (i, j) sits at offs + i * ROWS + j * 16; rows past the sequence end load as zeros."""
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     start, eos = chunk_span(cu_seqlens, chunk_indices, i_t, BT)
-    a00 = _load_tile(A, start, eos, i_h, HV, BT, 0, 0)
-    t00 = _inverse_unit_lower_16(a00)
-    _store_tile(Ai, t00, start, eos, i_h, HV, BT, 0, 0)
+    o = tl.arange(0, 16)
+    offs = ((start + o)[:, None] * HV + i_h) * BT + o[None, :]
+    ROWS: tl.constexpr = 16 * HV * BT
+    m0 = (start + o < eos)[:, None]
+    t00 = _inverse_unit_lower_16(tl.load(A + offs, mask=m0, other=0.0))
+    tl.store(Ai + offs, t00, mask=m0)
     if BT >= 32:
-        t11 = _inverse_unit_lower_16(_load_tile(A, start, eos, i_h, HV, BT, 1, 1))
-        a10 = _load_tile(A, start, eos, i_h, HV, BT, 1, 0)
-        t10 = -_mm(_mm(t11, a10), t00)
-        _store_tile(Ai, t11, start, eos, i_h, HV, BT, 1, 1)
-        _store_tile(Ai, t10, start, eos, i_h, HV, BT, 1, 0)
+        m1 = (start + 16 + o < eos)[:, None]
+        a10 = tl.load(A + offs + ROWS, mask=m1, other=0.0)
+        t11 = _inverse_unit_lower_16(tl.load(A + offs + ROWS + 16, mask=m1, other=0.0))
+        t10 = -tl.dot(tl.dot(t11, a10, input_precision="ieee"), t00, input_precision="ieee")
+        tl.store(Ai + offs + ROWS, t10, mask=m1)
+        tl.store(Ai + offs + ROWS + 16, t11, mask=m1)
     if BT >= 64:
-        t22 = _inverse_unit_lower_16(_load_tile(A, start, eos, i_h, HV, BT, 2, 2))
-        t33 = _inverse_unit_lower_16(_load_tile(A, start, eos, i_h, HV, BT, 3, 3))
-        a20 = _load_tile(A, start, eos, i_h, HV, BT, 2, 0)
-        a21 = _load_tile(A, start, eos, i_h, HV, BT, 2, 1)
-        a30 = _load_tile(A, start, eos, i_h, HV, BT, 3, 0)
-        a31 = _load_tile(A, start, eos, i_h, HV, BT, 3, 1)
-        a32 = _load_tile(A, start, eos, i_h, HV, BT, 3, 2)
-        t21 = -_mm(_mm(t22, a21), t11)
-        t32 = -_mm(_mm(t33, a32), t22)
-        t20 = -_mm(t22, _mm(a20, t00) + _mm(a21, t10))
-        t31 = -_mm(t33, _mm(a31, t11) + _mm(a32, t21))
-        t30 = -_mm(t33, _mm(a30, t00) + _mm(a31, t10) + _mm(a32, t20))
-        _store_tile(Ai, t22, start, eos, i_h, HV, BT, 2, 2)
-        _store_tile(Ai, t33, start, eos, i_h, HV, BT, 3, 3)
-        _store_tile(Ai, t20, start, eos, i_h, HV, BT, 2, 0)
-        _store_tile(Ai, t21, start, eos, i_h, HV, BT, 2, 1)
-        _store_tile(Ai, t30, start, eos, i_h, HV, BT, 3, 0)
-        _store_tile(Ai, t31, start, eos, i_h, HV, BT, 3, 1)
-        _store_tile(Ai, t32, start, eos, i_h, HV, BT, 3, 2)
+        m2 = (start + 32 + o < eos)[:, None]
+        m3 = (start + 48 + o < eos)[:, None]
+        a20 = tl.load(A + offs + 2 * ROWS, mask=m2, other=0.0)
+        a21 = tl.load(A + offs + 2 * ROWS + 16, mask=m2, other=0.0)
+        t22 = _inverse_unit_lower_16(tl.load(A + offs + 2 * ROWS + 32, mask=m2, other=0.0))
+        a30 = tl.load(A + offs + 3 * ROWS, mask=m3, other=0.0)
+        a31 = tl.load(A + offs + 3 * ROWS + 16, mask=m3, other=0.0)
+        a32 = tl.load(A + offs + 3 * ROWS + 32, mask=m3, other=0.0)
+        t33 = _inverse_unit_lower_16(tl.load(A + offs + 3 * ROWS + 48, mask=m3, other=0.0))
+        t21 = -tl.dot(tl.dot(t22, a21, input_precision="ieee"), t11, input_precision="ieee")
+        t32 = -tl.dot(tl.dot(t33, a32, input_precision="ieee"), t22, input_precision="ieee")
+        s20 = tl.dot(a20, t00, input_precision="ieee") + tl.dot(a21, t10, input_precision="ieee")
+        t20 = -tl.dot(t22, s20, input_precision="ieee")
+        s31 = tl.dot(a31, t11, input_precision="ieee") + tl.dot(a32, t21, input_precision="ieee")
+        t31 = -tl.dot(t33, s31, input_precision="ieee")
+        s30 = tl.dot(a30, t00, input_precision="ieee") + tl.dot(a31, t10, input_precision="ieee")
+        s30 += tl.dot(a32, t20, input_precision="ieee")
+        t30 = -tl.dot(t33, s30, input_precision="ieee")
+        tl.store(Ai + offs + 2 * ROWS, t20, mask=m2)
+        tl.store(Ai + offs + 2 * ROWS + 16, t21, mask=m2)
+        tl.store(Ai + offs + 2 * ROWS + 32, t22, mask=m2)
+        tl.store(Ai + offs + 3 * ROWS, t30, mask=m3)
+        tl.store(Ai + offs + 3 * ROWS + 16, t31, mask=m3)
+        tl.store(Ai + offs + 3 * ROWS + 32, t32, mask=m3)
+        tl.store(Ai + offs + 3 * ROWS + 48, t33, mask=m3)
 
 
 def solve_unit_lower(A: torch.Tensor, layout: ChunkLayout) -> torch.Tensor:
@@ -234,7 +235,8 @@ def solve_unit_lower(A: torch.Tensor, layout: ChunkLayout) -> torch.Tensor:
 def wy_kernel(
     k, v, beta, G, Ai, w, u, cu_seqlens, chunk_indices,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PER_K: tl.constexpr, PREC: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PER_K: tl.constexpr,
+    F32_DOT: tl.constexpr,
 ):  # fmt: skip
     """w = Ai (beta * exp(G) * k), u = Ai (beta * v) for one chunk and value head."""
     i_t, i_h = tl.program_id(0), tl.program_id(1)
@@ -246,15 +248,17 @@ def wy_kernel(
     lower = m_t[:, None] & (o_t[None, :] <= o_t[:, None])
     b_Ai = tl.load(Ai + (rows[:, None] * HV + i_h) * BT + o_t[None, :], mask=lower, other=0.0)
     b_beta = tl.load(beta + rows * HV + i_h, mask=m_t, other=0.0).to(tl.float32)
-    for i_v in range(tl.cdiv(V, BV)):
+    dt = k.dtype.element_ty
+    b_Ai = b_Ai.to(dt)
+    for i_v in range((V + BV - 1) // BV):
         o_v = i_v * BV + tl.arange(0, BV)
         mask = m_t[:, None] & (o_v < V)[None, :]
         offs = (rows[:, None] * HV + i_h) * V + o_v[None, :]
         b_v = tl.load(v + offs, mask=mask, other=0.0).to(tl.float32) * b_beta[:, None]
-        tl.store(u + offs, tl.dot(b_Ai, b_v, input_precision=PREC), mask=mask)
+        tl.store(u + offs, mma(b_Ai, b_v.to(dt), F32_DOT), mask=mask)
     if not PER_K:
         b_decay = tl.exp(tl.load(G + rows * HV + i_h, mask=m_t, other=0.0))
-    for i_k in range(tl.cdiv(K, BK)):
+    for i_k in range((K + BK - 1) // BK):
         o_k = i_k * BK + tl.arange(0, BK)
         mask = m_t[:, None] & (o_k < K)[None, :]
         b_k = tl.load(k + (rows[:, None] * H + i_kh) * K + o_k[None, :], mask=mask, other=0.0)
@@ -264,10 +268,10 @@ def wy_kernel(
             b_k = b_k * tl.exp(tl.load(G + offs, mask=mask, other=0.0))
         else:
             b_k = b_k * b_decay[:, None]
-        tl.store(w + offs, tl.dot(b_Ai, b_k, input_precision=PREC), mask=mask)
+        tl.store(w + offs, mma(b_Ai, b_k.to(dt), F32_DOT), mask=mask)
 
 
-def wy_transform(k, v, beta, G, Ai, layout: ChunkLayout, prec: str):
+def wy_transform(k, v, beta, G, Ai, layout: ChunkLayout):
     """w [T_all, HV, K] and u [T_all, HV, V], fp32."""
     H, K = k.shape[1], k.shape[2]
     HV, V = v.shape[1], v.shape[2]
@@ -276,6 +280,6 @@ def wy_transform(k, v, beta, G, Ai, layout: ChunkLayout, prec: str):
     wy_kernel[(layout.num_chunks, HV)](
         k, v, beta, G, Ai, w, u, layout.cu_seqlens, layout.chunk_indices,
         H=H, HV=HV, K=K, V=V, BT=layout.chunk_size, BK=key_block(K), BV=value_block(V),
-        PER_K=G.ndim == 3, PREC=prec,
+        PER_K=G.ndim == 3, F32_DOT=f32_dot(),
     )  # fmt: skip
     return w, u

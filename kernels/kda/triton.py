@@ -26,11 +26,12 @@ from ..gdn.triton_wy import (
     chunk_cumsum,
     chunk_layout,
     chunk_span,
-    dot_precision,
     empty_final,
+    f32_dot,
     full_key_block,
     key_block,
     l2norm_rows,
+    mma,
     solve_unit_lower,
     value_block,
     wy_transform,
@@ -43,13 +44,13 @@ SUB_CHUNK = 16
 def kda_intra_offdiag_kernel(
     q, k, G, beta, Akk, Aqk, cu_seqlens, chunk_indices,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, F32_DOT: tl.constexpr,
 ):  # fmt: skip
-    """The (i, j) sub-chunk tile of A_kk and A_qk, i > j."""
+    """The (i, j) sub-chunk tile of A_kk and A_qk, i > j; program p is the p-th such pair in
+    row order, (1,0) (2,0) (2,1) (3,0) (3,1) (3,2), which covers up to four sub-chunks."""
     i_t, i_ij, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_i, i_j = i_ij // (BT // BC), i_ij % (BT // BC)
-    if i_i <= i_j:
-        return
+    i_i = 1 + (i_ij >= 1).to(tl.int32) + (i_ij >= 3).to(tl.int32)
+    i_j = i_ij - i_i * (i_i - 1) // 2
     start, eos = chunk_span(cu_seqlens, chunk_indices, i_t, BT)
     ref = start + i_i * BC
     if ref >= eos:
@@ -59,23 +60,28 @@ def kda_intra_offdiag_kernel(
     rows_i = ref + o_c
     rows_j = start + i_j * BC + o_c
     m_i = rows_i < eos
+    dt = k.dtype.element_ty
     b_kk = tl.zeros([BC, BC], dtype=tl.float32)
     b_qk = tl.zeros([BC, BC], dtype=tl.float32)
-    for i_k in range(tl.cdiv(K, BK)):
+    for i_k in range((K + BK - 1) // BK):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < K
         m_ik = m_i[:, None] & m_k[None, :]
         b_gr = tl.load(G + (ref * HV + i_h) * K + o_k, mask=m_k, other=0.0)
         b_Gi = tl.load(G + (rows_i[:, None] * HV + i_h) * K + o_k[None, :], mask=m_ik, other=0.0)
-        b_Gj = tl.load(G + (rows_j[:, None] * HV + i_h) * K + o_k[None, :], mask=m_k[None, :], other=0.0)
+        b_Gj = tl.load(
+            G + (rows_j[:, None] * HV + i_h) * K + o_k[None, :], mask=m_k[None, :], other=0.0
+        )
         b_di = tl.exp(tl.where(m_ik, b_Gi - b_gr[None, :], 0.0))
         kq_offs_i = (rows_i[:, None] * H + i_kh) * K + o_k[None, :]
         b_qi = tl.load(q + kq_offs_i, mask=m_ik, other=0.0).to(tl.float32) * b_di
         b_ki = tl.load(k + kq_offs_i, mask=m_ik, other=0.0).to(tl.float32) * b_di
-        b_kj = tl.load(k + (rows_j[:, None] * H + i_kh) * K + o_k[None, :], mask=m_k[None, :], other=0.0)
-        b_kj = tl.trans(b_kj.to(tl.float32) * tl.exp(b_gr[None, :] - b_Gj))
-        b_kk += tl.dot(b_ki, b_kj, input_precision=PREC)
-        b_qk += tl.dot(b_qi, b_kj, input_precision=PREC)
+        b_kj = tl.load(
+            k + (rows_j[:, None] * H + i_kh) * K + o_k[None, :], mask=m_k[None, :], other=0.0
+        )
+        b_kj = tl.trans(b_kj.to(tl.float32) * tl.exp(b_gr[None, :] - b_Gj)).to(dt)
+        b_kk += mma(b_ki.to(dt), b_kj, F32_DOT)
+        b_qk += mma(b_qi.to(dt), b_kj, F32_DOT)
     b_beta = tl.load(beta + rows_i * HV + i_h, mask=m_i, other=0.0).to(tl.float32)
     offs = (rows_i[:, None] * HV + i_h) * BT + i_j * BC + o_c[None, :]
     tl.store(Akk + offs, b_kk * b_beta[:, None], mask=m_i[:, None])
@@ -88,7 +94,8 @@ def kda_intra_diag_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
-    """The diagonal sub-chunk tile i of A_kk (strictly lower) and A_qk (lower), element-wise."""
+    """The diagonal sub-chunk tile i of A_kk (strictly lower) and A_qk (lower): every pair (a, b)
+    gets its own exp(G_a - G_b) over a [BC, BC, BK] block, masked to b <= a before exp."""
     i_t, i_i, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start, eos = chunk_span(cu_seqlens, chunk_indices, i_t, BT)
     first = start + i_i * BC
@@ -96,31 +103,27 @@ def kda_intra_diag_kernel(
         return
     i_kh = i_h // (HV // H)
     o_c = tl.arange(0, BC)
-    o_k = tl.arange(0, BK)
     rows = first + o_c
     m_i = rows < eos
-    m_k = o_k < K
-    m_ik = m_i[:, None] & m_k[None, :]
-    b_q = tl.load(q + (rows[:, None] * H + i_kh) * K + o_k[None, :], mask=m_ik, other=0.0)
-    b_k = tl.load(k + (rows[:, None] * H + i_kh) * K + o_k[None, :], mask=m_ik, other=0.0)
-    b_q, b_k = b_q.to(tl.float32), b_k.to(tl.float32)
-    b_G = tl.load(G + (rows[:, None] * HV + i_h) * K + o_k[None, :], mask=m_ik, other=0.0)
+    causal = m_i[:, None] & (o_c[None, :] <= o_c[:, None])
     b_kk = tl.zeros([BC, BC], dtype=tl.float32)
     b_qk = tl.zeros([BC, BC], dtype=tl.float32)
-    for j in range(0, BC):
-        row = tl.minimum(first + j, eos - 1)  # past eos nothing is causal, any valid row will do
-        b_kj = tl.load(k + (row * H + i_kh) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-        b_Gj = tl.load(G + (row * HV + i_h) * K + o_k, mask=m_k, other=0.0)
-        causal = m_i & (o_c >= j)
-        b_decay = tl.exp(tl.where(causal[:, None], b_G - b_Gj[None, :], 0.0))
-        b_kjd = b_kj[None, :] * b_decay
-        col_kk = tl.where(causal & (o_c > j), tl.sum(b_k * b_kjd, 1), 0.0)
-        col_qk = tl.where(causal, tl.sum(b_q * b_kjd, 1), 0.0)
-        b_kk = tl.where(o_c[None, :] == j, col_kk[:, None], b_kk)
-        b_qk = tl.where(o_c[None, :] == j, col_qk[:, None], b_qk)
+    for i_k in range((K + BK - 1) // BK):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_ik = m_i[:, None] & (o_k < K)[None, :]
+        offs = (rows[:, None] * H + i_kh) * K + o_k[None, :]
+        b_q = tl.load(q + offs, mask=m_ik, other=0.0).to(tl.float32)
+        b_k = tl.load(k + offs, mask=m_ik, other=0.0).to(tl.float32)
+        b_G = tl.load(G + (rows[:, None] * HV + i_h) * K + o_k[None, :], mask=m_ik, other=0.0)
+        b_diff = tl.where(causal[:, :, None], b_G[:, None, :] - b_G[None, :, :], 0.0)
+        b_kd = b_k[None, :, :] * tl.exp(b_diff)
+        b_kk += tl.sum(b_k[:, None, :] * b_kd, 2)
+        b_qk += tl.sum(b_q[:, None, :] * b_kd, 2)
     b_beta = tl.load(beta + rows * HV + i_h, mask=m_i, other=0.0).to(tl.float32)
+    b_kk = tl.where(causal & (o_c[None, :] < o_c[:, None]), b_kk * b_beta[:, None], 0.0)
+    b_qk = tl.where(causal, b_qk, 0.0)
     offs = (rows[:, None] * HV + i_h) * BT + i_i * BC + o_c[None, :]
-    tl.store(Akk + offs, b_kk * b_beta[:, None], mask=m_i[:, None])
+    tl.store(Akk + offs, b_kk, mask=m_i[:, None])
     tl.store(Aqk + offs, b_qk, mask=m_i[:, None])
 
 
@@ -128,7 +131,7 @@ def kda_intra_diag_kernel(
 def kda_output_kernel(
     q, v_new, G, Aqk, hs, o, cu_seqlens, chunk_indices, scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, F32_DOT: tl.constexpr,
 ):  # fmt: skip
     """o = scale ((q exp(G)) S_chunk + A_qk v_new) for one chunk."""
     i_t, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -139,8 +142,9 @@ def kda_output_kernel(
     m_t = rows < eos
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
+    dt = q.dtype.element_ty
     b_o = tl.zeros([BT, BV], dtype=tl.float32)
-    for i_k in range(tl.cdiv(K, BK)):
+    for i_k in range((K + BK - 1) // BK):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < K
         mask = m_t[:, None] & m_k[None, :]
@@ -149,17 +153,17 @@ def kda_output_kernel(
         b_q = b_q.to(tl.float32) * tl.exp(b_G)
         h_offs = (i_t * HV + i_h).to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :]
         b_h = tl.load(hs + h_offs, mask=m_k[:, None] & m_v[None, :], other=0.0)
-        b_o += tl.dot(b_q, b_h, input_precision=PREC)
+        b_o += mma(b_q.to(dt), b_h.to(dt), F32_DOT)
     causal = m_t[:, None] & (o_t[None, :] <= o_t[:, None])
     b_A = tl.load(Aqk + (rows[:, None] * HV + i_h) * BT + o_t[None, :], mask=causal, other=0.0)
     mask = m_t[:, None] & m_v[None, :]
     offs = (rows[:, None] * HV + i_h) * V + o_v[None, :]
     b_vn = tl.load(v_new + offs, mask=mask, other=0.0)
-    b_o = (b_o + tl.dot(b_A, b_vn, input_precision=PREC)) * scale
+    b_o = (b_o + mma(b_A.to(dt), b_vn.to(dt), F32_DOT)) * scale
     tl.store(o + offs, b_o.to(o.dtype.element_ty), mask=mask)
 
 
-def _kda_intra(q, k, G, beta, layout: ChunkLayout, prec: str):
+def _kda_intra(q, k, G, beta, layout: ChunkLayout):
     """A_kk (beta folded in, strictly lower) and A_qk (lower), [T_all, HV, BT] fp32."""
     H, K = k.shape[1], k.shape[2]
     HV, BT = G.shape[1], layout.chunk_size
@@ -168,11 +172,11 @@ def _kda_intra(q, k, G, beta, layout: ChunkLayout, prec: str):
     NC = BT // SUB_CHUNK
     common = (q, k, G, beta, Akk, Aqk, layout.cu_seqlens, layout.chunk_indices)
     if NC > 1:
-        kda_intra_offdiag_kernel[(layout.num_chunks, NC * NC, HV)](
-            *common, H=H, HV=HV, K=K, BT=BT, BC=SUB_CHUNK, BK=key_block(K), PREC=prec
+        kda_intra_offdiag_kernel[(layout.num_chunks, NC * (NC - 1) // 2, HV)](
+            *common, H=H, HV=HV, K=K, BT=BT, BC=SUB_CHUNK, BK=key_block(K), F32_DOT=f32_dot()
         )
     kda_intra_diag_kernel[(layout.num_chunks, NC, HV)](
-        *common, H=H, HV=HV, K=K, BT=BT, BC=SUB_CHUNK, BK=full_key_block(K)
+        *common, H=H, HV=HV, K=K, BT=BT, BC=SUB_CHUNK, BK=min(32, key_block(K))
     )
     return Akk, Aqk
 
@@ -186,7 +190,6 @@ def triton_chunk_kda(
     HV, V = v.shape[2], v.shape[3]
     full_key_block(K)
     layout = chunk_layout(B, T, cu_seqlens, chunk_size, q.device)
-    prec = dot_precision(v.dtype)
     q, k = (x.reshape(B * T, H, K).contiguous() for x in (q, k))
     if use_qk_l2norm:
         q, k = l2norm_rows(q), l2norm_rows(k)
@@ -198,15 +201,15 @@ def triton_chunk_kda(
         final = empty_final(h0, layout, HV, K, V, q) if output_final_state else None
         return torch.empty_like(v).reshape(B, T, HV, V), final
     G = chunk_cumsum(g, layout)
-    Akk, Aqk = _kda_intra(q, k, G, beta, layout, prec)
+    Akk, Aqk = _kda_intra(q, k, G, beta, layout)
     Ai = solve_unit_lower(Akk, layout)
-    w, u = wy_transform(k, v, beta, G, Ai, layout, prec)
-    hs, v_new, final = state_passing(k, w, u, G, h0, output_final_state, layout, prec)
+    w, u = wy_transform(k, v, beta, G, Ai, layout)
+    hs, v_new, final = state_passing(k, w, u, G, h0, output_final_state, layout)
     o = torch.empty_like(v)
     BV = value_block(V)
     kda_output_kernel[(layout.num_chunks, HV, triton.cdiv(V, BV))](
         q, v_new, G, Aqk, hs, o, layout.cu_seqlens, layout.chunk_indices, scale,
-        H=H, HV=HV, K=K, V=V, BT=chunk_size, BK=key_block(K), BV=BV, PREC=prec,
+        H=H, HV=HV, K=K, V=V, BT=chunk_size, BK=key_block(K), BV=BV, F32_DOT=f32_dot(),
     )  # fmt: skip
     return o.reshape(B, T, HV, V), final
 

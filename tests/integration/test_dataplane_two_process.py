@@ -98,6 +98,19 @@ def test_small_random_ranges(link):
     _peer_holds(peer, arena, ranges)
 
 
+def test_granule_aligned_ranges(link):
+    """Whole 16 KiB granules: NIXL posts them as index lists into its prepared lists."""
+    transport, peer, arena = link
+    rng = np.random.default_rng(8)
+    g = 16 * 1024
+    units = random_ranges(rng, 1500, 2, (0, 4096), (0, READ_REGION[1] // g))
+    ranges = RangeBatch(units.local * g, units.remote * g, units.nbytes * g)
+    if transport.backend == "nixl":
+        assert transport.granule == g and transport._prepped(transport.peers[peer.name], ranges)
+    _run(transport, Op.READ, peer, ranges)
+    expect_pattern(arena, ranges, SEED)
+
+
 def test_notifications_reach_the_peer(link):
     transport, peer, _ = link
     peer.call("notifications")  # drop earlier ones

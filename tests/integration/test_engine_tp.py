@@ -13,6 +13,7 @@ import torch
 
 from transfer.engine.caches import LocalCaches
 from transfer.engine.distributed import init_tp_group
+from transfer.engine.reference import reference_model
 from transfer.engine.runner import RankEngine
 from transfer.geometry import CacheTensor, LayerSpec, ModelGeometry, Role
 from transfer.presets import get_preset
@@ -154,7 +155,7 @@ def runs(request, tmp_path_factory):
     geometry = get_preset(model)
     out_dir = tmp_path_factory.mktemp(model)
     caches = make_caches(geometry, 1)
-    engine = RankEngine(geometry, caches, seed=0)
+    engine = RankEngine(geometry, caches, model=reference_model(geometry))
     first_logits = engine.prefill_logits(PROMPT, P_BLOCKS, P_SLOT)
     torch.save({k: t.clone() for k, t in caches.tensors.items()}, out_dir / "tp1_prefill.pt")
     torch.save(first_logits, out_dir / "tp1_first_logits.pt")
@@ -197,7 +198,7 @@ def test_prefill_tp_decode_tp1(runs):
         caches = make_caches(geometry, len(ranks))
         caches.tensors = result["prefilled"]
         src.append(caches)
-    engine = RankEngine(geometry, make_caches(geometry, 1), seed=0)
+    engine = RankEngine(geometry, make_caches(geometry, 1), model=reference_model(geometry))
     engine.mark_filling(D_SLOT, D_BLOCKS)
     move_request(geometry, src, len(ranks), engine.caches, 1, 0)
     engine.mark_ready(D_SLOT)

@@ -81,6 +81,16 @@ def test_closed_then_killed_peer(backend):
         peer.stop()
 
 
+def _settles(transport, handle, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        status = transport.poll(handle)
+        if status.settled:
+            return status
+        time.sleep(0.01)
+    raise AssertionError(f"transfer did not settle within {timeout_s} s: {status}")
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_hung_then_killed_mid_transfer(backend):
     """Over TCP a transfer needs the peer's progress, so a stopped peer leaves it in flight.
@@ -88,8 +98,12 @@ def test_hung_then_killed_mid_transfer(backend):
     transport, peer, arena = _connect(backend, tls="tcp")
     try:
         peer.pause()
-        status = _fails_in_time(transport, peer, Op.READ, 8 << 20, deadline_s=1.5)
-        assert "deadline" in status.reason
+        start = time.monotonic()
+        hung = transport.post(Op.READ, peer.name, RangeBatch.single(0, 0, 8 << 20), deadline_s=1.5)
+        status = wait(transport, hung)
+        assert status.failed and "deadline" in status.reason
+        assert time.monotonic() - start < 1.5 + SLACK_S
+        assert not status.settled  # the READ is still posted: its bytes could land
 
         start = time.monotonic()
         handle = transport.post(
@@ -101,6 +115,8 @@ def test_hung_then_killed_mid_transfer(backend):
         status = wait(transport, handle)
         assert status.failed and status.reason
         assert time.monotonic() - start < 4.0 + SLACK_S
+        assert _settles(transport, hung).failed  # a dead peer moves nothing any more
+        transport.release(hung)
         transport.release(handle)
         _still_healthy(transport, arena)
     finally:
@@ -108,8 +124,28 @@ def test_hung_then_killed_mid_transfer(backend):
         peer.stop()
 
 
-def test_dropped_transfer_never_lands_after_release():
-    """ucx: a released READ is cancelled, so late bytes from a resumed peer do not land."""
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_late_bytes_land_before_settled(backend):
+    """A READ past its deadline stays unsettled until the resumed peer's bytes have landed."""
+    transport, peer, arena = _connect(backend, tls="tcp")
+    try:
+        peer.pause()
+        batch = RangeBatch.single(2 << 20, 0, 4 << 20)
+        handle = transport.post(Op.READ, peer.name, batch, deadline_s=0.5)
+        status = wait(transport, handle)
+        assert status.failed and not status.settled
+        peer.resume()
+        assert _settles(transport, handle).failed
+        expect_pattern(arena, batch, SEED)  # the late bytes landed, and before `settled`
+        transport.release(handle)
+    finally:
+        transport.close()
+        peer.stop()
+
+
+def test_released_ucx_read_never_lands():
+    """ucx cancels a released READ whose data has not started: a resumed peer's bytes do
+    not land. (NIXL cannot cancel a one-sided READ in flight; see the test above.)"""
     transport, peer, arena = _connect("ucx", tls="tcp")
     try:
         peer.pause()
@@ -121,7 +157,7 @@ def test_dropped_transfer_never_lands_after_release():
         peer.resume()
         time.sleep(1.0)
         assert not arena[2 << 20 : 6 << 20].any()
-        assert np.count_nonzero(arena[: 1 << 20].numpy()) > 0  # the warm-up read did land
+        assert np.count_nonzero(arena[: 1 << 20].numpy()) > 0  # the warm-up READ did land
     finally:
         transport.close()
         peer.stop()

@@ -192,8 +192,9 @@ def test_nixl_prepared_and_per_transfer_descriptors_agree():
     fill(arena_p, SEED, [(0, ARENA)])
     meta = peer.register(arena_p)
     rng = np.random.default_rng(5)
-    aligned = random_ranges(rng, 64, 8, (0, 512), (0, 2048))
+    aligned = random_ranges(rng, 64, 2, (0, 512), (0, 2048))
     aligned = RangeBatch(aligned.local * 4096, aligned.remote * 4096, aligned.nbytes * 4096)
+    long = RangeBatch.single(0, 4096, 64 * 4096)  # one descriptor beats 64 indices
     try:
         for granule in (4096, 0):
             t = make_transport("nixl", f"nixl-{granule}", granule=granule)
@@ -201,6 +202,7 @@ def test_nixl_prepared_and_per_transfer_descriptors_agree():
             t.register(arena)
             t.add_peer(meta)
             assert t._prepped(t.peers["nixl-peer"], aligned) == (granule == 4096)
+            assert not t._prepped(t.peers["nixl-peer"], long)
             assert wait(t, t.post(Op.READ, "nixl-peer", aligned, deadline_s=20)).done
             expect_pattern(arena, aligned, SEED)
             t.close()

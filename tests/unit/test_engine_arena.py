@@ -9,6 +9,7 @@ from transfer.cache.arena import Arena
 from transfer.cache.layout import Layout, LayoutOptions
 from transfer.cache.units import ConvOrder, KVOrder
 from transfer.engine.caches import ArenaCaches, CacheAccess, LocalCaches
+from transfer.engine.reference import reference_model
 from transfer.engine.runner import RankEngine
 from transfer.memplan import StatePlacement
 from transfer.presets import get_preset
@@ -32,14 +33,14 @@ def arena_engine(geometry, options: LayoutOptions, dtypes: CacheDtypes) -> RankE
     layout = Layout(geometry, 1, 0, 8, 4, 2, dtypes, options)
     caches = ArenaCaches(Arena.allocate(layout))
     assert isinstance(caches, CacheAccess)
-    return RankEngine(geometry, caches, seed=0)
+    return RankEngine(geometry, caches, model=reference_model(geometry))
 
 
 @pytest.fixture(scope="module", params=["tiny-qwen3-next", "tiny-kimi-linear"])
 def expected(request):
     geometry = get_preset(request.param)
     caches = LocalCaches(geometry, num_blocks=4, block_size=8, num_slots=2)
-    return geometry, run(RankEngine(geometry, caches, seed=0))
+    return geometry, run(RankEngine(geometry, caches, model=reference_model(geometry)))
 
 
 # Every value of each layout option at least once, in mixed combinations.

@@ -8,7 +8,7 @@ import torch
 from transfer.engine.caches import LocalCaches, view_shape
 from transfer.engine.distributed import TPGroup
 from transfer.engine.model import HybridModel
-from transfer.engine.reference import full_sequence_logits, reference_generate
+from transfer.engine.reference import full_sequence_logits, reference_generate, reference_model
 from transfer.engine.runner import RankEngine
 from transfer.geometry import Role
 from transfer.presets import get_preset
@@ -70,7 +70,7 @@ def geometry(request):
 @pytest.fixture(scope="module")
 def cached_run(geometry):
     caches = LocalCaches(geometry, num_blocks=6, block_size=BLOCK_SIZE, num_slots=3)
-    engine = RankEngine(geometry, caches, seed=0)
+    engine = RankEngine(geometry, caches, model=reference_model(geometry))
     # Blocks out of order and a slot other than 0: the block table and slot index matter.
     blocks = [4, 1, 3, 0]
     return engine, generate_with_logits(engine, PROMPT, blocks, 2, NEW_TOKENS)
@@ -90,7 +90,7 @@ def test_cached_decode_matches_cache_free_forward(geometry, cached_run):
 def test_strided_head_major_caches_give_identical_results(geometry, cached_run):
     _, (tokens, logits) = cached_run
     caches = HeadMajorCaches(geometry, num_blocks=6, block_size=BLOCK_SIZE, num_slots=3)
-    engine = RankEngine(geometry, caches, seed=0)
+    engine = RankEngine(geometry, caches, model=reference_model(geometry))
     got_tokens, got_logits = generate_with_logits(engine, PROMPT, [4, 1, 3, 0], 2, NEW_TOKENS)
     assert got_tokens == tokens
     assert rel_err(got_logits, logits) < 1e-5
@@ -102,15 +102,14 @@ def test_reference_generate_matches_engine(geometry, cached_run):
 
 
 def test_seed_changes_the_model(geometry):
-    a = HybridModel(geometry, TPGroup.single(), seed=0)
-    b = HybridModel(geometry, TPGroup.single(), seed=1)
+    a, b = reference_model(geometry, seed=0), reference_model(geometry, seed=1)
     la, lb = full_sequence_logits(a, PROMPT[:4]), full_sequence_logits(b, PROMPT[:4])
     assert rel_err(la, lb) > 0.1
 
 
 def test_prompt_shorter_than_conv_window(geometry):
     caches = LocalCaches(geometry, num_blocks=2, block_size=BLOCK_SIZE, num_slots=1)
-    engine = RankEngine(geometry, caches, seed=0)
+    engine = RankEngine(geometry, caches, model=reference_model(geometry))
     logits = [engine.prefill_logits([42], [0], 0)]
     token = int(logits[0].argmax())
     for position in (1, 2, 3):
@@ -123,7 +122,8 @@ def test_prompt_shorter_than_conv_window(geometry):
 @pytest.fixture(scope="module")
 def small_engine():
     geometry = get_preset("tiny-qwen3-next")
-    return RankEngine(geometry, LocalCaches(geometry, num_blocks=4, block_size=8, num_slots=2))
+    caches = LocalCaches(geometry, num_blocks=4, block_size=8, num_slots=2)
+    return RankEngine(geometry, caches, model=reference_model(geometry))
 
 
 @pytest.mark.parametrize(
@@ -157,3 +157,7 @@ def test_unsupported_or_huge_models_are_refused():
         HybridModel(get_preset("qwen3-next-80b-a3b"), TPGroup.single())
     with pytest.raises(ValueError, match="tp=8 does not divide the 4"):
         HybridModel(get_preset("tiny-qwen3-next"), TPGroup(0, 8, distributed=False))
+    geometry = get_preset("tiny-qwen3-next")
+    caches = LocalCaches(geometry, num_blocks=1, block_size=8, num_slots=1)
+    with pytest.raises(ValueError, match="model: built for another geometry"):
+        RankEngine(geometry, caches, seed=1, model=reference_model(geometry, seed=0))

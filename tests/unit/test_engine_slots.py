@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from transfer.engine.caches import LocalCaches
-from transfer.engine.reference import reference_generate
+from transfer.engine.reference import reference_generate, reference_model
 from transfer.engine.runner import RankEngine
 from transfer.engine.slots import CacheFillingError, SlotPhase
 from transfer.geometry import Role
@@ -21,7 +21,7 @@ def make_engine(geometry, num_blocks=8, num_slots=3):
     caches = LocalCaches(
         geometry, num_blocks=num_blocks, block_size=BLOCK_SIZE, num_slots=num_slots
     )
-    return RankEngine(geometry, caches, seed=0)
+    return RankEngine(geometry, caches, model=reference_model(geometry))
 
 
 def copy_request(geometry, src, src_blocks, src_slot, dst, dst_blocks, dst_slot):

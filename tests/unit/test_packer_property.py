@@ -50,7 +50,9 @@ def _fits(units: int, tp: int) -> bool:
 def geometries(draw, p: int, d: int) -> ModelGeometry:
     lcm = math.lcm(p, d)
     split = st.integers(1, 2).map(lambda k: k * lcm)
-    maybe_replicated = st.sampled_from([u for u in range(1, 2 * lcm + 1) if _fits(u, p) and _fits(u, d)])
+    maybe_replicated = st.sampled_from(
+        [u for u in range(1, 2 * lcm + 1) if _fits(u, p) and _fits(u, d)]
+    )
     dim = st.integers(1, 3)
     kernel = st.integers(2, 4)
     kinds = {
@@ -133,7 +135,7 @@ def scenarios(draw):
     return prefill, decode, request, policy
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios(), st.integers(0, 2**32))
 def test_plans_turn_tp_p_arenas_into_tp_d_arenas(scenario, seed):
     prefill, decode, request, policy = scenario

@@ -89,20 +89,36 @@ class PairRun:
         p_options, d_options = _options(self.settings, p_node), _options(self.settings, d_node)
         tag = f"{len(self.prefill)}x{len(self.decode)}"
         setups = [
-            dict(role="prefill", name=f"bench-p{r}-{tag}", arena_bytes=self.instances.arena_bytes("prefill"),
-                 backend=self.settings.transport, options=p_options, seed=self.settings.seed + r)
+            dict(
+                role="prefill",
+                name=f"bench-p{r}-{tag}",
+                arena_bytes=self.instances.arena_bytes("prefill"),
+                backend=self.settings.transport,
+                options=p_options,
+                seed=self.settings.seed + r,
+            )
             for r in range(len(self.prefill))
         ] + [
-            dict(role="decode", name=f"bench-d{r}-{tag}", arena_bytes=self.instances.arena_bytes("decode"),
-                 backend=self.settings.transport, options=d_options, seed=0)
+            dict(
+                role="decode",
+                name=f"bench-d{r}-{tag}",
+                arena_bytes=self.instances.arena_bytes("decode"),
+                backend=self.settings.transport,
+                options=d_options,
+                seed=0,
+            )
             for r in range(len(self.decode))
         ]
         metadata = call_all(self.prefill + self.decode, "setup", SETUP_TIMEOUT_S, setups)
         p_meta = metadata[: len(self.prefill)]
-        self.peers = call_all(self.decode, "add_peers", 120.0, [dict(metadata=p_meta)] * len(self.decode))
+        self.peers = call_all(
+            self.decode, "add_peers", 120.0, [dict(metadata=p_meta)] * len(self.decode)
+        )
 
     def stop(self) -> None:
-        stop_all(self.prefill + self.decode)
+        # Decode first: a read still in flight finishes before its source goes away.
+        stop_all(self.decode)
+        stop_all(self.prefill)
 
     # -- one request ----------------------------------------------------------------------
 
@@ -116,7 +132,13 @@ class PairRun:
             for source in plan.sources:
                 wire = source.wire
                 batch = RangeBatch(wire.dst, wire.src, wire.lengths)
-                items.append((self.peers[d][source.prefill_rank], batch, source if len(source.scatter) else None))
+                items.append(
+                    (
+                        self.peers[d][source.prefill_rank],
+                        batch,
+                        source if len(source.scatter) else None,
+                    )
+                )
                 if len(source.gather):
                     gathers.setdefault(source.prefill_rank, []).append(source)
             self.decode[d].call("prepare", job="ours", kind="read", items=items)
@@ -135,7 +157,14 @@ class PairRun:
         gather = 0.0
         if gathering:
             ranks = [self.prefill[p] for p in gathering]
-            gather = max(call_all(ranks, "run", timeout, [dict(job=mode, deadline_s=self.settings.deadline_s)] * len(ranks)))
+            gather = max(
+                call_all(
+                    ranks,
+                    "run",
+                    timeout,
+                    [dict(job=mode, deadline_s=self.settings.deadline_s)] * len(ranks),
+                )
+            )
         kwargs = [dict(job=mode, deadline_s=self.settings.deadline_s)] * len(self.decode)
         return gather + max(call_all(self.decode, "run", timeout, kwargs))
 
@@ -157,9 +186,13 @@ class PairRun:
             for p, src, _, lengths in ranges:
                 where[-1].append((p, len(p_groups[p])))
                 p_groups[p].append((src, lengths))
-        timeout = 300.0
-        d_sums = call_all(self.decode, "checksum", timeout, [dict(groups=g) for g in d_groups])
-        p_sums = call_all(self.prefill, "checksum", timeout, [dict(groups=g) for g in p_groups])
+        sums = call_all(
+            self.decode + self.prefill,
+            "checksum",
+            300.0,
+            [dict(groups=g) for g in d_groups + p_groups],
+        )
+        d_sums, p_sums = sums[: len(self.decode)], sums[len(self.decode) :]
         for d, sums in enumerate(d_sums):
             for got, (p, i) in zip(sums, where[d], strict=True):
                 if got != p_sums[p][i]:
@@ -186,9 +219,16 @@ class PairRun:
         return times
 
 
-def summarize(tokens: int, transfers: Transfers, times: dict[str, list[float]], p_tp: int, d_tp: int) -> dict:
+def summarize(
+    tokens: int, transfers: Transfers, times: dict[str, list[float]], p_tp: int, d_tp: int
+) -> dict:
     """One entry of the report's `results`."""
-    entry: dict = {"prefill_tp": p_tp, "decode_tp": d_tp, "tokens": tokens, "bytes": transfers.bytes}
+    entry: dict = {
+        "prefill_tp": p_tp,
+        "decode_tp": d_tp,
+        "tokens": tokens,
+        "bytes": transfers.bytes,
+    }
     entry["kv_bytes"] = sum(plan.kv_bytes for plan in transfers.ours)
     entry["state_bytes"] = sum(plan.state_bytes for plan in transfers.ours)
     for mode in MODES:
@@ -198,9 +238,13 @@ def summarize(tokens: int, transfers: Transfers, times: dict[str, list[float]], 
         entry[f"{prefix}p99_ms"] = percentile(times[mode], 99) * 1e3
         entry[f"{prefix}gbps"] = transfers.nbytes(mode) / median / 1e9
         entry[f"{prefix}descriptors"] = transfers.count(mode)
+        if mode != "ours":
+            entry[f"{prefix}bytes"] = transfers.nbytes(mode)
     entry["efficiency"] = entry["gbps"] / entry["raw_gbps"]
     entry["speedup"] = entry["gbps"] / entry["naive_gbps"]
-    entry["staged_sources"] = sum(s.mode.value != "direct" for plan in transfers.ours for s in plan.sources)
+    entry["staged_sources"] = sum(
+        s.mode.value != "direct" for plan in transfers.ours for s in plan.sources
+    )
     entry["verified"] = True
     return entry
 
@@ -212,7 +256,12 @@ def run_pair(
     base = build_instances(geometry, p_tp, d_tp, settings.block_size, max(settings.tokens))
     requests = [make_request(base, n, settings.seed + n) for n in settings.tokens]
     instances = build_instances(
-        geometry, p_tp, d_tp, settings.block_size, max(settings.tokens), staging_need(base, requests)
+        geometry,
+        p_tp,
+        d_tp,
+        settings.block_size,
+        max(settings.tokens),
+        staging_need(base, requests),
     )
     log(
         f"P={p_tp} D={d_tp}: starting {p_tp + d_tp} rank processes "

@@ -20,7 +20,9 @@ from transfer.packer import TransferRequest, source_rank
 
 def _segments(layout: Layout) -> dict:
     return {
-        (layer.index, t.name): t.segments for layer in layout.geometry.layers for t in layer.cache_tensors()
+        (layer.index, t.name): t.segments
+        for layer in layout.geometry.layers
+        for t in layer.cache_tensors()
     }
 
 
@@ -36,9 +38,13 @@ def _kv_pieces(prefill: Sequence[Layout], decode: Layout, request: TransferReque
     for key, (layer, tensor) in enumerate(tensors):
         d_units = decode.tensor_kv_units(layer, tensor)
         for d_index, du in enumerate(d_units):
-            p = source_rank(segments[layer, tensor][du.segment], du.unit, p_tp, decode.tp, decode.rank)
+            p = source_rank(
+                segments[layer, tensor][du.segment], du.unit, p_tp, decode.tp, decode.rank
+            )
             p_units = prefill[p].tensor_kv_units(layer, tensor)
-            p_index = next(i for i, u in enumerate(p_units) if (u.segment, u.unit) == (du.segment, du.unit))
+            p_index = next(
+                i for i, u in enumerate(p_units) if (u.segment, u.unit) == (du.segment, du.unit)
+            )
             # HND inside the layer-first block: head i's tokens start at i * bs * head bytes.
             src = p_units[0].base + src_blocks * p_units[0].block_stride + p_index * bs * du.nbytes
             dst = d_units[0].base + dst_blocks * d_units[0].block_stride + d_index * bs * du.nbytes
@@ -55,7 +61,9 @@ def _state_pieces(prefill: Sequence[Layout], decode: Layout, request: TransferRe
     offset = 1 << 40  # state groups never merge with KV groups
     for key, (layer, tensor) in enumerate(tensors):
         for du in decode.tensor_state_units(layer, tensor):
-            p = source_rank(segments[layer, tensor][du.segment], du.unit, p_tp, decode.tp, decode.rank)
+            p = source_rank(
+                segments[layer, tensor][du.segment], du.unit, p_tp, decode.tp, decode.rank
+            )
             su = prefill[p].state_unit(layer, tensor, du.segment, du.unit)
             if not (su.is_contiguous and du.is_contiguous):
                 raise ValueError(f"naive layout: state unit {layer}/{tensor} is not contiguous")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import select
@@ -12,7 +13,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from transfer.bench.transfer_rank import _LENGTH, write_message
+from transfer.bench.transfer_rank import HEADER, write_message
 
 START_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 10.0
@@ -43,11 +44,13 @@ class RankProcess:
         try:
             write_message(self.proc.stdin, (command, kwargs))
         except (BrokenPipeError, OSError) as exc:
-            raise RankError(f"{self.label}: cannot send {command!r} ({self._exit()}): {exc}") from None
+            raise RankError(
+                f"{self.label}: cannot send {command!r} ({self._exit()}): {exc}"
+            ) from None
 
     def receive(self, command: str, timeout_s: float) -> Any:
-        header = self._read(_LENGTH.size, command, timeout_s)
-        status, value = pickle.loads(self._read(_LENGTH.unpack(header)[0], command, timeout_s))
+        header = self._read(HEADER.size, command, timeout_s)
+        status, value = pickle.loads(self._read(HEADER.unpack(header)[0], command, timeout_s))
         if status != "ok":
             raise RankError(f"{self.label}: {command} failed: {value}")
         return value
@@ -80,10 +83,8 @@ class RankProcess:
 
     def ask_to_close(self) -> None:
         if self.proc.poll() is None:
-            try:
+            with contextlib.suppress(RankError):
                 self.send("close")
-            except RankError:
-                pass
 
     def stop(self) -> None:
         """Ask politely, then terminate, then kill."""
@@ -97,13 +98,16 @@ class RankProcess:
             except subprocess.TimeoutExpired:
                 continue
         for stream in (self.proc.stdin, self.proc.stdout):
-            try:
+            with contextlib.suppress(OSError):
                 stream.close()
-            except OSError:
-                pass
 
 
-def call_all(ranks: Sequence[RankProcess], command: str, timeout_s: float, per_rank: Sequence[dict] | None = None) -> list:
+def call_all(
+    ranks: Sequence[RankProcess],
+    command: str,
+    timeout_s: float,
+    per_rank: Sequence[dict] | None = None,
+) -> list:
     """Send `command` to every rank first (so they run together), then collect the answers."""
     per_rank = per_rank or [{} for _ in ranks]
     for rank, kwargs in zip(ranks, per_rank, strict=True):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import signal
 import struct
 import sys
 import time
@@ -17,13 +18,17 @@ import traceback
 import zlib
 from typing import Any, BinaryIO
 
-_LENGTH = struct.Struct("<Q")
+HEADER = struct.Struct("<Q")
 POLL_SLEEP_S = 20e-6
+# Prefill arenas repeat a seeded random pattern of this (odd-sized) period: a misplaced
+# range goes unnoticed only if it is off by a multiple of it, and tiling is ~10x faster
+# than generating every byte.
+PATTERN_PERIOD = (1 << 24) + 8
 
 
 def write_message(stream: BinaryIO, message: Any) -> None:
     body = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-    stream.write(_LENGTH.pack(len(body)) + body)
+    stream.write(HEADER.pack(len(body)) + body)
     stream.flush()
 
 
@@ -40,10 +45,10 @@ def read_exactly(stream: BinaryIO, n: int) -> bytes | None:
 
 def read_message(stream: BinaryIO) -> Any:
     """The next message, or None at end of stream."""
-    header = read_exactly(stream, _LENGTH.size)
+    header = read_exactly(stream, HEADER.size)
     if header is None:
         return None
-    body = read_exactly(stream, _LENGTH.unpack(header)[0])
+    body = read_exactly(stream, HEADER.unpack(header)[0])
     return None if body is None else pickle.loads(body)
 
 
@@ -66,8 +71,11 @@ class Rank:
         self.arena = torch.empty(arena_bytes, dtype=torch.uint8)
         if role == "prefill":
             generator = torch.Generator().manual_seed(seed)
-            words = self.arena[: arena_bytes // 8 * 8].view(torch.int64)
-            words.random_(generator=generator)
+            period = min(arena_bytes, PATTERN_PERIOD)
+            pattern = torch.randint(0, 256, (period,), dtype=torch.uint8, generator=generator)
+            for start in range(0, arena_bytes, period):
+                end = min(arena_bytes, start + period)
+                self.arena[start:end] = pattern[: end - start]
         else:
             self.arena.zero_()
         self.transport = make_transport(backend, name, **options)
@@ -104,7 +112,9 @@ class Rank:
 
         transport = self.transport
         start = time.perf_counter()
-        pending = [transport.post(Op.READ, peer, batch, deadline_s=deadline_s) for peer, batch, _ in work]
+        pending = [
+            transport.post(Op.READ, peer, batch, deadline_s=deadline_s) for peer, batch, _ in work
+        ]
         handles = list(pending)
         while pending:
             still = []
@@ -148,6 +158,8 @@ class Rank:
 
 
 def main() -> int:
+    # The driver owns shutdown: on Ctrl-C it closes every rank, then removes namespaces.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     answers = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     commands = sys.stdin.buffer

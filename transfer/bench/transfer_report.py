@@ -69,7 +69,9 @@ def format_table(report: dict) -> str:
             f"p99 {control['p99_ms']:.3f} ms serial; {control['tickets_per_s']:.0f} tickets/s "
             f"with {control['concurrency']} clients (p99 {control['loaded_p99_ms']:.3f} ms)"
         )
-    lines.append("GB/s = bytes / median time (1 GB = 1e9 B); eff = ours / raw; speedup = ours / naive")
+    lines.append(
+        "GB/s = bytes / median time (1 GB = 1e9 B); eff = ours / raw; speedup = ours / naive"
+    )
     return "\n".join(lines)
 
 
@@ -89,14 +91,27 @@ def plot(report: dict, path: str) -> None:
     fig, (speed, descs, eff) = plt.subplots(1, 3, figsize=(15, 4.6))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, (p, d) in enumerate(_pairs(results)):
-        rows = sorted((r for r in results if (r["prefill_tp"], r["decode_tp"]) == (p, d)), key=lambda r: r["tokens"])
+        rows = sorted(
+            (r for r in results if (r["prefill_tp"], r["decode_tp"]) == (p, d)),
+            key=lambda r: r["tokens"],
+        )
         tokens = [r["tokens"] for r in rows]
         color, label = colors[i % len(colors)], f"P={p} D={d}"
         speed.plot(tokens, [r["gbps"] for r in rows], "o-", color=color, label=f"{label} ours")
         speed.plot(tokens, [r["raw_gbps"] for r in rows], "^--", color=color, label=f"{label} raw")
-        speed.plot(tokens, [r["naive_gbps"] for r in rows], "x:", color=color, label=f"{label} naive")
-        descs.plot(tokens, [r["descriptors"] for r in rows], "o-", color=color, label=f"{label} ours")
-        descs.plot(tokens, [r["naive_descriptors"] for r in rows], "x:", color=color, label=f"{label} naive")
+        speed.plot(
+            tokens, [r["naive_gbps"] for r in rows], "x:", color=color, label=f"{label} naive"
+        )
+        descs.plot(
+            tokens, [r["descriptors"] for r in rows], "o-", color=color, label=f"{label} ours"
+        )
+        descs.plot(
+            tokens,
+            [r["naive_descriptors"] for r in rows],
+            "x:",
+            color=color,
+            label=f"{label} naive",
+        )
         eff.plot(tokens, [r["efficiency"] for r in rows], "o-", color=color, label=label)
     for goal, style in ((0.9, "-"), (0.8, "--")):
         eff.axhline(goal, color="grey", linestyle=style, linewidth=0.8)

@@ -38,7 +38,9 @@ class Instances:
     def arena_bytes(self, side: str) -> int:
         """One rank's arena: big enough for both layouts of that side."""
         ours, naive = (
-            (self.prefill, self.naive_prefill) if side == "prefill" else (self.decode, self.naive_decode)
+            (self.prefill, self.naive_prefill)
+            if side == "prefill"
+            else (self.decode, self.naive_decode)
         )
         return max(ours[0].arena_bytes, naive[0].arena_bytes)
 
@@ -65,7 +67,9 @@ def build_instances(
     num_blocks = pool_blocks(geometry, block_size, max_tokens)
 
     def side(tp: int, options: LayoutOptions, staging: int) -> tuple[Layout, ...]:
-        first = Layout(geometry, tp, 0, block_size, num_blocks, SLOTS, options=options, staging_bytes=staging)
+        first = Layout(
+            geometry, tp, 0, block_size, num_blocks, SLOTS, options=options, staging_bytes=staging
+        )
         return first.all_ranks()
 
     return Instances(
@@ -141,7 +145,9 @@ def staging_need(instances: Instances, requests: Sequence[TransferRequest]) -> i
     policy = StagingPolicy()
     need = 0
     for request in requests:
-        plans = plan_transfer(instances.prefill, instances.decode, request, StagingPolicy(enabled=False))
+        plans = plan_transfer(
+            instances.prefill, instances.decode, request, StagingPolicy(enabled=False)
+        )
         per_prefill: dict[int, int] = {}
         for plan in plans:
             per_decode = 0
@@ -150,7 +156,9 @@ def staging_need(instances: Instances, requests: Sequence[TransferRequest]) -> i
                 if int(small.sum()) >= policy.min_small_ranges:
                     nbytes = int(source.wire.lengths[small].sum())
                     per_decode += nbytes
-                    per_prefill[source.prefill_rank] = per_prefill.get(source.prefill_rank, 0) + nbytes
+                    per_prefill[source.prefill_rank] = (
+                        per_prefill.get(source.prefill_rank, 0) + nbytes
+                    )
             need = max(need, per_decode)
         need = max(need, *per_prefill.values(), 0)
     return need + STAGING_HEADROOM if need else 0
@@ -200,7 +208,9 @@ def plan_all(instances: Instances, request: TransferRequest) -> Transfers:
     from transfer.bench.transfer_naive import naive_ranges
 
     ours = plan_transfer(instances.prefill, instances.decode, request)
-    direct = plan_transfer(instances.prefill, instances.decode, request, StagingPolicy(enabled=False))
+    direct = plan_transfer(
+        instances.prefill, instances.decode, request, StagingPolicy(enabled=False)
+    )
     naive = tuple(
         naive_ranges(instances.naive_prefill, layout, request) for layout in instances.naive_decode
     )

@@ -5,7 +5,7 @@
 
 from typing import TYPE_CHECKING
 
-from transfer.cache.layout import LAYOUT_VERSION, Layout, LayoutOptions
+from transfer.cache.layout import LAYOUT_VERSION, Layout
 from transfer.cache.pools import (
     BlockPool,
     CacheFullError,
@@ -14,7 +14,7 @@ from transfer.cache.pools import (
     SlotPool,
     fragment,
 )
-from transfer.cache.units import ConvOrder, KVOrder, KVUnit, SSMOrder, StateUnit
+from transfer.cache.units import ConvOrder, KVOrder, KVUnit, LayoutOptions, SSMOrder, StateUnit
 
 __all__ = [
     "LAYOUT_VERSION",

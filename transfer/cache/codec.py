@@ -7,6 +7,7 @@ import hashlib
 import json
 from typing import Any
 
+from transfer.cache.units import LayoutOptions
 from transfer.geometry import (
     GDNSpec,
     GQASpec,
@@ -17,6 +18,7 @@ from transfer.geometry import (
     MLASpec,
     ModelGeometry,
 )
+from transfer.sizing import CacheDtypes
 
 _SPECS = {
     LayerKind.GQA: GQASpec,
@@ -85,3 +87,41 @@ def geometry_hash(geometry: ModelGeometry) -> str:
     """sha256 of the canonical JSON of the geometry (16 hex digits)."""
     text = json.dumps(geometry_to_dict(geometry), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+LAYOUT_FIELDS = (
+    "version",
+    "geometry",
+    "tp",
+    "rank",
+    "block_size",
+    "num_blocks",
+    "num_slots",
+    "dtypes",
+    "options",
+    "kv_reserved_bytes",
+    "state_reserved_bytes",
+    "staging_bytes",
+)
+
+
+def layout_kwargs(data: Any) -> dict[str, Any]:
+    """`Layout(**layout_kwargs(layout.to_dict()))` rebuilds the layout (values are checked
+    by `Layout` itself)."""
+    if not isinstance(data, dict):
+        raise ValueError(f"layout: expected an object, got {type(data).__name__}")
+    if set(data) != set(LAYOUT_FIELDS):
+        missing = sorted(set(LAYOUT_FIELDS) - set(data))
+        extra = sorted(set(data) - set(LAYOUT_FIELDS))
+        raise ValueError(f"layout: missing fields {missing}, unknown fields {extra}")
+    for field in ("dtypes", "options"):
+        if not isinstance(data[field], dict):
+            raise ValueError(f"layout.{field}: expected an object")
+    try:
+        dtypes = CacheDtypes(**data["dtypes"])
+        options = LayoutOptions(**data["options"])
+    except TypeError as exc:
+        raise ValueError(f"layout: malformed dtypes or options ({exc})") from None
+    kwargs = {k: v for k, v in data.items() if k not in ("geometry", "dtypes", "options")}
+    geometry = geometry_from_dict(data["geometry"], "layout.geometry")
+    return kwargs | {"geometry": geometry, "dtypes": dtypes, "options": options}

@@ -15,19 +15,17 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
-from transfer.cache.codec import geometry_from_dict, geometry_hash, geometry_to_dict
+from transfer.cache.codec import geometry_hash, geometry_to_dict, layout_kwargs
+from transfer.cache.state_units import build_state_units
 from transfer.cache.units import (
-    ConvOrder,
-    KVOrder,
     KVUnit,
-    SSMOrder,
+    LayoutOptions,
     StateUnit,
     align,
     build_kv_units,
-    build_state_units,
 )
 from transfer.geometry import ModelGeometry
-from transfer.memplan import MemoryPlan, StatePlacement
+from transfer.memplan import MemoryPlan
 from transfer.sizing import CacheDtypes
 
 if TYPE_CHECKING:
@@ -35,30 +33,6 @@ if TYPE_CHECKING:
 
 LAYOUT_VERSION = 1
 REGION_ALIGN = 64
-
-
-@dataclass(frozen=True)
-class LayoutOptions:
-    """Defaults are the transfer-friendly choices (docs/packer.md)."""
-
-    kv_order: KVOrder = KVOrder.HEAD_MAJOR
-    state_placement: StatePlacement = StatePlacement.PER_REQUEST
-    conv_order: ConvOrder = ConvOrder.CHANNELS_TIME
-    ssm_order: SSMOrder = SSMOrder.HEAD_MAJOR  # per-request placement only
-
-    def __post_init__(self) -> None:
-        for field, enum_type in (
-            ("kv_order", KVOrder),
-            ("state_placement", StatePlacement),
-            ("conv_order", ConvOrder),
-            ("ssm_order", SSMOrder),
-        ):
-            value = getattr(self, field)
-            try:
-                object.__setattr__(self, field, enum_type(value))
-            except ValueError:
-                choices = ", ".join(e.value for e in enum_type)
-                raise ValueError(f"{field}: {value!r} is not one of {choices}") from None
 
 
 @dataclass(frozen=True)
@@ -300,27 +274,8 @@ class Layout:
 
     @classmethod
     def from_dict(cls, data: Any) -> Layout:
-        if not isinstance(data, dict):
-            raise ValueError(f"layout: expected an object, got {type(data).__name__}")
-        expected = set(_DICT_FIELDS)
-        if set(data) != expected:
-            missing, extra = sorted(expected - set(data)), sorted(set(data) - expected)
-            raise ValueError(f"layout: missing fields {missing}, unknown fields {extra}")
-        for field in ("dtypes", "options"):
-            if not isinstance(data[field], dict):
-                raise ValueError(f"layout.{field}: expected an object")
-        try:
-            dtypes = CacheDtypes(**data["dtypes"])
-            options = LayoutOptions(**data["options"])
-        except TypeError as exc:
-            raise ValueError(f"layout: malformed dtypes or options ({exc})") from None
-        fields = {k: v for k, v in data.items() if k not in ("geometry", "dtypes", "options")}
-        return cls(
-            geometry=geometry_from_dict(data["geometry"], "layout.geometry"),
-            dtypes=dtypes,
-            options=options,
-            **fields,
-        )
+        """The inverse of `to_dict`; malformed input raises ValueError naming the field."""
+        return cls(**layout_kwargs(data))
 
     def compat_fields(self) -> dict[str, Any]:
         """What both sides of a transfer must agree on, for the control-plane handshake."""
@@ -331,19 +286,3 @@ class Layout:
             "block_size": self.block_size,
             "layout_version": self.version,
         }
-
-
-_DICT_FIELDS = (
-    "version",
-    "geometry",
-    "tp",
-    "rank",
-    "block_size",
-    "num_blocks",
-    "num_slots",
-    "dtypes",
-    "options",
-    "kv_reserved_bytes",
-    "state_reserved_bytes",
-    "staging_bytes",
-)

@@ -292,6 +292,11 @@ class CachePools:
                     f"num_tokens {num_tokens} is below the request's {cache.num_tokens}"
                 )
             extra = self.blocks_for(num_tokens) - len(cache.block_ids)
+            if not self.blocks.can_allocate(extra):
+                raise CacheFullError(
+                    f"request {request_id!r}: growing to {num_tokens} tokens needs {extra} more "
+                    f"blocks, {self.blocks.num_free} of {self.blocks.num_total} free"
+                )
             new = self.blocks.allocate(extra, request_id) if extra else []
             cache = RequestCache(
                 request_id, num_tokens, cache.block_ids + tuple(new), cache.slot_ids

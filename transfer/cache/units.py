@@ -1,6 +1,6 @@
 """Where each unit (head or group) of each cache tensor lives in one rank's arena.
 
-`build_kv_units` and `build_state_units` are the only code that turns a layout choice into
+`build_kv_units` and `state_units.build_state_units` are the only code that turns a layout choice into
 byte offsets; `Layout` caches their result. Every unit is affine in its indices, so the
 packer emits ranges with numpy arithmetic and the views are plain strided tensors.
 """
@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 from transfer.geometry import CacheTensor, LayerSpec, ModelGeometry, Role
 from transfer.memplan import StatePlacement
-from transfer.sizing import CacheDtypes
 
 
 class KVOrder(str, enum.Enum):
@@ -33,6 +32,30 @@ class SSMOrder(str, enum.Enum):
 class ConvOrder(str, enum.Enum):
     CHANNELS_TIME = "channels_time"  # [channels][W-1]: a head's window is one run
     TIME_CHANNELS = "time_channels"  # [W-1][channels]
+
+
+@dataclass(frozen=True)
+class LayoutOptions:
+    """Defaults are the transfer-friendly choices (docs/packer.md)."""
+
+    kv_order: KVOrder = KVOrder.HEAD_MAJOR
+    state_placement: StatePlacement = StatePlacement.PER_REQUEST
+    conv_order: ConvOrder = ConvOrder.CHANNELS_TIME
+    ssm_order: SSMOrder = SSMOrder.HEAD_MAJOR  # per-request placement only
+
+    def __post_init__(self) -> None:
+        for field, enum_type in (
+            ("kv_order", KVOrder),
+            ("state_placement", StatePlacement),
+            ("conv_order", ConvOrder),
+            ("ssm_order", SSMOrder),
+        ):
+            value = getattr(self, field)
+            try:
+                object.__setattr__(self, field, enum_type(value))
+            except ValueError:
+                choices = ", ".join(e.value for e in enum_type)
+                raise ValueError(f"options.{field}: {value!r} is not one of {choices}") from None
 
 
 @dataclass(frozen=True)
@@ -85,7 +108,7 @@ def align(n: int, alignment: int) -> int:
     return -(-n // alignment) * alignment
 
 
-def _rank_units(tensor: CacheTensor, tp: int, rank: int) -> list[tuple[int, int, int]]:
+def rank_units(tensor: CacheTensor, tp: int, rank: int) -> list[tuple[int, int, int]]:
     """(segment, global unit, unit_elems) in the rank's channel order."""
     return [
         (s, unit, segment.unit_elems)
@@ -113,7 +136,7 @@ def build_kv_units(
     order: KVOrder,
 ) -> tuple[tuple[KVUnit, ...], int]:
     """All KV units of the rank, and the bytes they span (from offset 0)."""
-    tensors = [(layer, t, _rank_units(t, tp, rank)) for layer, t in _kv_tensors(geometry)]
+    tensors = [(layer, t, rank_units(t, tp, rank)) for layer, t in _kv_tensors(geometry)]
     units: list[KVUnit] = []
     if order is KVOrder.HEAD_MAJOR:
         # Tensors with the same per-rank head shape form a class; lane j of a class holds
@@ -126,8 +149,8 @@ def build_kv_units(
         for shape, members in classes.items():
             for lane, unit_elems in enumerate(shape):
                 row = len(members) * unit_elems * elem_bytes
-                for i, (layer, tensor, rank_units) in enumerate(members):
-                    segment, unit, _ = rank_units[lane]
+                for i, (layer, tensor, held) in enumerate(members):
+                    segment, unit, _ = held[lane]
                     units.append(
                         KVUnit(
                             layer.index,
@@ -142,174 +165,17 @@ def build_kv_units(
                     )
                 cursor += num_blocks * block_size * row
         return tuple(units), cursor
-    rows = [sum(u[2] for u in rank_units) * elem_bytes for _, _, rank_units in tensors]
+    rows = [sum(u[2] for u in held) * elem_bytes for _, _, held in tensors]
     block_bytes = block_size * sum(rows)
-    cursor = 0
-    for (layer, tensor, rank_units), row in zip(tensors, rows, strict=True):
-        within = 0
-        for segment, unit, unit_elems in rank_units:
-            if order is KVOrder.BLOCKS_FIRST:
-                base, block_stride = cursor + within, block_bytes
-            else:
-                base, block_stride = cursor + within, block_size * row
+    cursor = 0  # where the tensor starts: inside block 0 (blocks-first) or in the region
+    for (layer, tensor, held), row in zip(tensors, rows, strict=True):
+        block_stride = block_bytes if order is KVOrder.BLOCKS_FIRST else block_size * row
+        base = cursor
+        for segment, unit, unit_elems in held:
+            nbytes = unit_elems * elem_bytes
             units.append(
-                KVUnit(
-                    layer.index,
-                    tensor.name,
-                    segment,
-                    unit,
-                    unit_elems * elem_bytes,
-                    base,
-                    block_stride,
-                    row,
-                )
+                KVUnit(layer.index, tensor.name, segment, unit, nbytes, base, block_stride, row)
             )
-            within += unit_elems * elem_bytes
-        cursor += (
-            block_size * row if order is KVOrder.BLOCKS_FIRST else num_blocks * block_size * row
-        )
-    total = num_blocks * block_bytes if order is KVOrder.BLOCKS_FIRST else cursor
-    return tuple(units), total
-
-
-def _slot_tensors(
-    layer: LayerSpec,
-    tensors: list[CacheTensor],
-    tp: int,
-    rank: int,
-    dtypes: CacheDtypes,
-    conv_order: ConvOrder,
-    start: int,
-) -> tuple[list[tuple], int]:
-    """Place `tensors` of one layer one after another from `start` (slot-relative)."""
-    placed = []
-    cursor = start
-    for tensor in tensors:
-        eb = dtypes.of(tensor.role)
-        cursor = align(cursor, eb)
-        channels = tensor.rank_channels(tp)
-        time_major = tensor.role is Role.CONV and conv_order is ConvOrder.TIME_CHANNELS
-        channel = 0
-        for segment, unit, unit_elems in _rank_units(tensor, tp, rank):
-            if time_major:
-                offset, elem_stride, step_stride = channel * eb, eb, channels * eb
-            else:
-                offset, elem_stride, step_stride = (
-                    channel * tensor.steps * eb,
-                    tensor.steps * eb,
-                    eb,
-                )
-            placed.append(
-                (
-                    layer,
-                    tensor,
-                    segment,
-                    unit,
-                    unit_elems,
-                    eb,
-                    cursor + offset,
-                    elem_stride,
-                    step_stride,
-                )
-            )
-            channel += unit_elems
-        cursor += channels * tensor.steps * eb
-    return placed, cursor
-
-
-def _ssm_lanes(
-    layers: tuple[LayerSpec, ...], tp: int, rank: int, elem_bytes: int, start: int
-) -> tuple[list[tuple], int]:
-    """Recurrent states head-major: lane j is head j of every layer's S, one after another,
-    so a decode rank's heads of all layers are one run per source (as for KV lanes)."""
-    classes: dict[tuple, list] = {}
-    for layer in layers:
-        for tensor in layer.cache_tensors():
-            if tensor.role is Role.SSM:
-                rank_units = _rank_units(tensor, tp, rank)
-                classes.setdefault(tuple(u[2] for u in rank_units), []).append(
-                    (layer, tensor, rank_units)
-                )
-    placed = []
-    cursor = align(start, elem_bytes)
-    for shape, members in classes.items():
-        for lane, unit_elems in enumerate(shape):
-            for layer, tensor, rank_units in members:
-                segment, unit, _ = rank_units[lane]
-                placed.append(
-                    (
-                        layer,
-                        tensor,
-                        segment,
-                        unit,
-                        unit_elems,
-                        elem_bytes,
-                        cursor,
-                        elem_bytes,
-                        elem_bytes,
-                    )
-                )
-                cursor += unit_elems * elem_bytes
-    return placed, cursor
-
-
-def build_state_units(
-    geometry: ModelGeometry,
-    tp: int,
-    rank: int,
-    num_slots: int,
-    dtypes: CacheDtypes,
-    placement: StatePlacement,
-    conv_order: ConvOrder,
-    ssm_order: SSMOrder,
-) -> tuple[tuple[StateUnit, ...], int]:
-    """All state units of the rank (offsets from the state region's start), and its size.
-
-    Per request, head-major: `[slot][S lanes][layer][conv tensors]`; layer-major:
-    `[slot][layer][S, conv tensors]`. Either way one slot is one run. Per layer:
-    `[layer][slot][S, conv tensors]`. Tensors start aligned to their element size.
-    """
-    slot_align = max(dtypes.ssm, dtypes.conv)
-    layers = geometry.linear_layers
-
-    def units(placed: list, region: int, slot_stride: int) -> list[StateUnit]:
-        return [
-            StateUnit(
-                layer.index,
-                tensor.name,
-                tensor.role,
-                segment,
-                unit,
-                elems,
-                tensor.steps,
-                eb,
-                region + offset,
-                slot_stride,
-                elem_stride,
-                step_stride,
-            )
-            for layer, tensor, segment, unit, elems, eb, offset, elem_stride, step_stride in placed
-        ]
-
-    if placement is StatePlacement.PER_REQUEST:
-        placed: list[tuple] = []
-        cursor = 0
-        head_major = ssm_order is SSMOrder.HEAD_MAJOR
-        if head_major:
-            placed, cursor = _ssm_lanes(layers, tp, rank, dtypes.ssm, 0)
-        for layer in layers:
-            tensors = [t for t in layer.cache_tensors() if not (head_major and t.role is Role.SSM)]
-            more, cursor = _slot_tensors(layer, tensors, tp, rank, dtypes, conv_order, cursor)
-            placed += more
-        slot_bytes = align(cursor, slot_align)
-        return tuple(units(placed, 0, slot_bytes)), num_slots * slot_bytes
-    result: list[StateUnit] = []
-    region = 0
-    for layer in layers:
-        placed, end = _slot_tensors(
-            layer, list(layer.cache_tensors()), tp, rank, dtypes, conv_order, 0
-        )
-        slot_bytes = align(end, slot_align)
-        result += units(placed, region, slot_bytes)
-        region += num_slots * slot_bytes
-    return tuple(result), region
+            base += nbytes
+        cursor += block_size * row * (1 if order is KVOrder.BLOCKS_FIRST else num_blocks)
+    return tuple(units), num_blocks * block_bytes

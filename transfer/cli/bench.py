@@ -21,6 +21,12 @@ def _benchmarks() -> list:
     # their run functions, so building this parser stays cheap.
     from kernels import bench as kernels_bench
     from transfer.bench import control as control_bench
+    from transfer.bench import transfer_cli as transfer_bench
     from transfer.bench import transport as transport_bench
 
-    return [kernels_bench.register, control_bench.register, transport_bench.register]
+    return [
+        kernels_bench.register,
+        control_bench.register,
+        transport_bench.register,
+        transfer_bench.register,
+    ]

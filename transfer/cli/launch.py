@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import shutil
 import signal
@@ -104,8 +105,8 @@ def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from transfer.engine.workers.instance import InstanceConfig, plan_for
     from transfer.engine.workers.procs import LAUNCH_ID_ENV, start_serve, stop_all, wait_ready
-    from transfer.memplan import plan_memory
     from transfer.presets import load_geometry
     from transfer.units import parse_size
 
@@ -114,11 +115,12 @@ def run(args: argparse.Namespace) -> int:
         args.model = "tiny-qwen3-next"
     geometry = load_geometry(args.model, args.hf_config)
     budget = parse_size(args.gpu_mem, "--gpu-mem")
-    for side, tp in (("--prefill-tp", args.prefill_tp), ("--decode-tp", args.decode_tp)):
-        try:
-            plan_memory(geometry, tp, budget, args.requests, args.block_size)
+    for role, tp in (("prefill", args.prefill_tp), ("decode", args.decode_tp)):
+        try:  # what each serve process will plan, checked before anything starts
+            sizes = {"max_seqs": args.requests, "min_block_size": args.block_size}
+            plan_for(InstanceConfig(role, geometry, tp, budget_bytes=budget, **sizes))
         except ValueError as exc:
-            raise ValueError(f"{side} {tp}: {exc}") from None
+            raise ValueError(f"--{role}-tp {tp}: {exc}") from None
     run_dir = Path(tempfile.mkdtemp(prefix="pdxfer-launch-"))
     dump_dir = run_dir / "caches" if args.verify else None
     model_args = ["--model", args.model] if args.model else ["--hf-config", args.hf_config]
@@ -130,7 +132,11 @@ def run(args: argparse.Namespace) -> int:
         *(["--dump-dir", str(dump_dir)] if dump_dir else []),
     ]  # fmt: skip
     token = uuid.uuid4().hex
-    env = {LAUNCH_ID_ENV: uuid.uuid4().hex, "PDXFER_AUTH_TOKEN": token}
+    # Every child carries the run's id in its environment: tests find leftovers by it.
+    env = {
+        LAUNCH_ID_ENV: os.environ.get(LAUNCH_ID_ENV) or uuid.uuid4().hex,
+        "PDXFER_AUTH_TOKEN": token,
+    }
     procs = []
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     ok = False
@@ -270,8 +276,6 @@ class _References:
 
     def _run(self) -> None:
         try:
-            import os
-
             import torch
 
             from transfer.engine.reference import reference_generate

@@ -2,8 +2,8 @@
 
 A transport owns one registered arena and moves byte ranges between it and the arenas of
 its peers. A transfer is a handle you poll: PENDING, then DONE or FAILED(reason). Every
-transfer has a deadline; once it passes, `poll` cancels what it can and answers FAILED, so
-the caller may free its blocks. Transports are not thread-safe: one owner thread calls them.
+transfer has a deadline; once it passes, `poll` stops what it can and answers FAILED. The
+caller may free its blocks once the FAILED status is also `settled` (see TransferStatus). Transports are not thread-safe: one owner thread calls them.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from transfer.dataplane.ranges import RangeBatch
 from transfer.dataplane.types import Notification, Op, State, TransferStatus
 
 MAX_NOTIF_BYTES = 4096
+UNSETTLED = "; its bytes may still move until the peer answers or is gone (settled=False)"
 
 
 @runtime_checkable
@@ -111,6 +112,7 @@ class TransportBase:
         self.arena: ArenaInfo | None = None
         self.peers: dict[str, PeerInfo] = {}
         self._entries: dict[int, _Entry] = {}
+        self._draining: list[Any] = []  # released records that may still move bytes
         self._next_handle = 1
         self._closed = False
 
@@ -153,8 +155,7 @@ class TransportBase:
         self._peer(peer)
         for entry in self._entries.values():
             if entry.peer == peer and entry.status.pending:
-                self._discard(entry.record, cancel=True)
-                entry.status = TransferStatus.failure(f"peer {peer!r} removed")
+                self._stop(entry, f"peer {peer!r} removed")
         self._remove_peer(peer)
         del self.peers[peer]
 
@@ -184,17 +185,24 @@ class TransportBase:
 
     def poll(self, handle: int) -> TransferStatus:
         entry = self._entry(handle)
-        if not entry.status.pending:
-            return entry.status
-        status = self._check(entry.record)
-        if status.pending and time.monotonic() > entry.deadline:
-            self._discard(entry.record, cancel=True)
-            status = TransferStatus.failure(
-                f"deadline of {entry.deadline_s:g} s passed before the transfer with peer "
-                f"{entry.peer!r} finished"
-            )
-        elif not status.pending:
-            self._discard(entry.record, cancel=status.failed)
+        self._drain()
+        status = entry.status
+        if status.pending:
+            status = self._check(entry.record)
+            if status.pending and time.monotonic() > entry.deadline:
+                self._stop(
+                    entry,
+                    f"deadline of {entry.deadline_s:g} s passed before the transfer with peer "
+                    f"{entry.peer!r} finished",
+                )
+                return entry.status
+            if status.failed:
+                self._cancel(entry.record)
+            if not status.pending:
+                self._discard(entry.record)
+        elif not status.settled and self._settled(entry.record):
+            self._discard(entry.record)
+            status = TransferStatus.failure(status.reason.removesuffix(UNSETTLED))
         entry.status = status
         return status
 
@@ -202,7 +210,10 @@ class TransportBase:
         entry = self._entry(handle)
         del self._entries[handle]
         if entry.status.pending:
-            self._discard(entry.record, cancel=True)
+            self._cancel(entry.record)
+        if entry.status.pending or not entry.status.settled:
+            self._draining.append(entry.record)
+        self._drain()
 
     def notifications(self) -> list[Notification]:
         self._check_open()
@@ -213,9 +224,13 @@ class TransportBase:
             return
         for entry in self._entries.values():
             if entry.status.pending:
-                self._discard(entry.record, cancel=True)
-                entry.status = TransferStatus.failure("transport closed")
+                self._cancel(entry.record)
+            if entry.status.pending or not entry.status.settled:
+                self._draining.append(entry.record)
+        for record in self._draining:
+            self._discard(record)
         self._entries.clear()
+        self._draining.clear()
         self._closed = True
         self._close()
 
@@ -236,6 +251,25 @@ class TransportBase:
             return self.peers[peer]
         except (KeyError, TypeError):
             raise ValueError(f"peer: unknown peer {peer!r} (known: {sorted(self.peers)})") from None
+
+    def _stop(self, entry: _Entry, reason: str) -> None:
+        """End a pending transfer as FAILED, stopping it as far as the backend can."""
+        self._abandon(entry.record)
+        settled = self._settled(entry.record)
+        if settled:
+            self._discard(entry.record)
+        else:
+            reason += UNSETTLED
+        entry.status = TransferStatus.failure(reason, settled)
+
+    def _drain(self) -> None:
+        if self._draining:
+            draining, self._draining = self._draining, []
+            for record in draining:
+                if self._settled(record):
+                    self._discard(record)
+                else:
+                    self._draining.append(record)
 
     def _entry(self, handle: int) -> _Entry:
         try:
@@ -264,8 +298,21 @@ class TransportBase:
     def _check(self, record: Any) -> TransferStatus:
         raise NotImplementedError
 
-    def _discard(self, record: Any, cancel: bool) -> None:
-        """Free a finished transfer's resources, or cancel a pending one."""
+    def _cancel(self, record: Any) -> None:
+        """The caller gave up on this one pending transfer: stop it, sparing the others."""
+        raise NotImplementedError
+
+    def _abandon(self, record: Any) -> None:
+        """The transfer missed its deadline or lost its peer: stop what can be stopped
+        without hiding bytes that may still move (`_settled` must stay truthful)."""
+        raise NotImplementedError
+
+    def _settled(self, record: Any) -> bool:
+        """Whether no byte of a stopped transfer can move any more."""
+        raise NotImplementedError
+
+    def _discard(self, record: Any) -> None:
+        """Free the resources of a finished or settled transfer."""
         raise NotImplementedError
 
     def _notifications(self) -> list[Notification]:

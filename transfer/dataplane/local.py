@@ -66,7 +66,16 @@ class LocalTransport(TransportBase):
     def _check(self, record: None) -> TransferStatus:
         raise AssertionError("local transfers finish inside post")
 
-    def _discard(self, record: None, cancel: bool) -> None:
+    def _cancel(self, record: None) -> None:
+        pass
+
+    def _abandon(self, record: None) -> None:
+        pass
+
+    def _settled(self, record: None) -> bool:
+        return True
+
+    def _discard(self, record: None) -> None:
         pass
 
     def _notifications(self) -> list[Notification]:

@@ -3,9 +3,11 @@
 Posting costs index lists, not registration. The arena is registered once, and viewed as
 a list of `granule`-byte descriptors, prepared once for the local arena and once per peer
 for the peer's arena (`prep_xfer_dlist`). A batch whose offsets and lengths are multiples
-of the granule becomes two index arrays (`make_prepped_xfer`); NIXL merges consecutive
-indices back into one descriptor. Any other batch falls back to descriptors built for
-that one transfer (`initialize_xfer`). docs/dataplane.md has the measurements.
+of the granule, at most two granules per range on average, becomes two index arrays
+(`make_prepped_xfer`); NIXL merges consecutive indices back into one descriptor. Any other
+batch gets descriptors built for that one transfer (`initialize_xfer`): one per range,
+which is the cheaper post once ranges span more granules. Neither registers anything.
+docs/dataplane.md has the measurements.
 
 The agent starts no listener: metadata travels as bytes through `register`/`add_peer`.
 """
@@ -30,6 +32,9 @@ from transfer.dataplane.types import DONE, PENDING, Notification, Op, TransferSt
 
 MAX_PREPPED_DESCRIPTORS = 1 << 18
 MIN_GRANULE = 4096
+# Posting through the prepared lists costs per granule, building descriptors costs per
+# range; measured, they break even at about two granules per range (docs/dataplane.md).
+MAX_GRANULES_PER_RANGE = 2
 
 
 def auto_granule(arena_bytes: int) -> int:
@@ -64,6 +69,8 @@ def _granule_descriptors(base: int, nbytes: int, granule: int, device_index: int
 def _indices(offsets: np.ndarray, counts: np.ndarray, total: int, granule: int) -> np.ndarray:
     """Granule indices covering each range, ranges in order: int32 [total]."""
     firsts = offsets // granule
+    if total == len(counts):
+        return firsts.astype(np.int32)
     run_starts = np.cumsum(counts) - counts
     step = np.arange(total, dtype=np.int64) - np.repeat(run_starts, counts)
     return (np.repeat(firsts, counts) + step).astype(np.int32)
@@ -153,8 +160,8 @@ class NixlTransport(TransportBase):
     def _remove_peer(self, peer: str) -> None:
         dlist = self._remote_dlists.pop(peer, None)
         if dlist is not None:
-            dlist.release()
-        self._agent.remove_remote_agent(peer)
+            _quietly(dlist.release)
+        _quietly(self._agent.remove_remote_agent, peer)
 
     def _remote_dlist(self, peer: PeerInfo) -> Any:
         dlist = self._remote_dlists.get(peer.name)
@@ -167,9 +174,12 @@ class NixlTransport(TransportBase):
         return dlist
 
     def _prepped(self, peer: PeerInfo, ranges: RangeBatch) -> bool:
-        """Whether every range is whole granules inside both prepared lists."""
+        """Whether the prepared lists serve this batch: every range is whole granules inside
+        both lists, and few enough granules that the index list is the cheaper post."""
         granule = self.granule
         if not granule or self._local_dlist is None or peer.arena_bytes < granule:
+            return False
+        if ranges.total_bytes > MAX_GRANULES_PER_RANGE * granule * len(ranges):
             return False
         if ((ranges.local | ranges.remote | ranges.nbytes) & (granule - 1)).any():
             return False
@@ -216,10 +226,10 @@ class NixlTransport(TransportBase):
         try:
             state = self._agent.transfer(handle)
         except Exception as exc:
-            self._discard(xfer, cancel=True)
+            self._discard(xfer)
             return None, TransferStatus.failure(f"could not post transfer: {_describe(exc)}")
         if state == "ERR":
-            self._discard(xfer, cancel=True)
+            self._discard(xfer)
             return None, TransferStatus.failure("NIXL refused to post the transfer")
         return xfer, PENDING
 
@@ -234,7 +244,22 @@ class NixlTransport(TransportBase):
             return PENDING
         return TransferStatus.failure("NIXL reported a transfer error")
 
-    def _discard(self, record: _Xfer | None, cancel: bool) -> None:
+    # NIXL cannot stop a one-sided operation in flight: releasing its handle would only hide
+    # bytes that still land. So a stopped transfer keeps its handle until NIXL reports it
+    # finished (DONE, or ERR once UCX sees the peer gone), and reads as unsettled till then.
+    def _cancel(self, record: _Xfer) -> None:
+        pass
+
+    def _abandon(self, record: _Xfer) -> None:
+        pass
+
+    def _settled(self, record: _Xfer) -> bool:
+        try:
+            return self._agent.check_xfer_state(record.handle) != "PROC"
+        except Exception:
+            return True
+
+    def _discard(self, record: _Xfer | None) -> None:
         if record is None:
             return
         try:

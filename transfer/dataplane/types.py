@@ -21,10 +21,16 @@ class State(enum.Enum):
 
 @dataclass(frozen=True)
 class TransferStatus:
-    """What `Transport.poll` answers. `reason` says why a transfer FAILED, else it is empty."""
+    """What `Transport.poll` answers. `reason` says why a transfer FAILED, else it is empty.
+
+    `settled` is False while a FAILED transfer may still move bytes: the backend could not
+    stop it (NIXL cannot cancel a one-sided operation in flight), so its ranges on both
+    sides must not be reused yet. Later polls turn it True once nothing can move any more.
+    """
 
     state: State
     reason: str = ""
+    settled: bool = True
 
     @property
     def pending(self) -> bool:
@@ -39,8 +45,8 @@ class TransferStatus:
         return self.state is State.FAILED
 
     @classmethod
-    def failure(cls, reason: str) -> TransferStatus:
-        return cls(State.FAILED, reason)
+    def failure(cls, reason: str, settled: bool = True) -> TransferStatus:
+        return cls(State.FAILED, reason, settled)
 
 
 PENDING = TransferStatus(State.PENDING)

@@ -99,7 +99,7 @@ class UcxTransport(TransportBase):
             polling_mode=bool(polling), epoll_timeout=EPOLL_TIMEOUT_MS
         )
         self._address = bytes(self._worker.address)
-        self._endpoints: dict[str, Any] = {}
+        self._endpoints: dict[bytes, Any] = {}
         self._tensor: torch.Tensor | None = None
         self._slicer: Any = None
         self._server: UcxServer | None = None
@@ -112,19 +112,27 @@ class UcxTransport(TransportBase):
         return self._address
 
     def _add_peer(self, info: PeerInfo) -> None:
-        address = ucx_api.UCXAddress.create_from_buffer(info.payload)
-        self._endpoints[info.name] = ucx_api.UCXEndpoint.create_from_worker_address(
-            self._worker, address, True
-        )
+        self._endpoint(info)
+
+    def _endpoint(self, info: PeerInfo) -> Any:
+        # Endpoints live as long as the transport, keyed by worker address: with ucxx 0.52 a
+        # fresh endpoint to a worker whose previous endpoint was closed loses its receives
+        # (UCS_ERR_CANCELED), so re-adding a peer reuses the first one.
+        endpoint = self._endpoints.get(info.payload)
+        if endpoint is None:
+            address = ucx_api.UCXAddress.create_from_buffer(info.payload)
+            endpoint = ucx_api.UCXEndpoint.create_from_worker_address(self._worker, address, True)
+            self._endpoints[info.payload] = endpoint
+        return endpoint
 
     def _remove_peer(self, peer: str) -> None:
-        self._endpoints.pop(peer, None)
+        pass
 
     def _post(
         self, op: Op, peer: PeerInfo, ranges: RangeBatch, notif: bytes, deadline_s: float
     ) -> tuple[_UcxTransfer | None, TransferStatus]:
         ranges = ranges.coalesced()
-        endpoint = self._endpoints[peer.name]
+        endpoint = self._endpoint(peer)
         record = _UcxTransfer(op, peer.name, endpoint)
         tid = new_transfer_id()
         try:
@@ -152,7 +160,7 @@ class UcxTransport(TransportBase):
                     endpoint, self._slicer, ranges.local, ranges.nbytes, data_tag(tid)
                 )
         except Exception as exc:  # ucxx raises its own errors for dead endpoints
-            self._discard(record, cancel=True)
+            self._cancel(record)
             return None, TransferStatus.failure(
                 f"could not post transfer: {type(exc).__name__}: {exc}"
             )
@@ -189,14 +197,30 @@ class UcxTransport(TransportBase):
         hint = "" if record.endpoint.alive else f" (endpoint to {record.peer!r} closed: peer gone?)"
         return TransferStatus.failure(what + hint)
 
-    def _discard(self, record: _UcxTransfer | None, cancel: bool) -> None:
-        if record is None:
-            return
-        # Dropping a ucxx request wrapper cancels the request, pending or not.
+    def _requests(self, record: _UcxTransfer) -> list[Any]:
+        receives = record.receives.requests if record.receives is not None else []
+        return [r for r in (record.ack, record.request) if r is not None] + receives + record.sends
+
+    def _cancel(self, record: _UcxTransfer) -> None:
+        # Dropping a ucxx request wrapper cancels the request; a receive that already
+        # matched its message cannot be cancelled and may still complete.
         if record.receives is not None:
             record.receives.requests.clear()
         cancel_sends(record.sends)
         record.ack = record.request = None
+
+    def _abandon(self, record: _UcxTransfer) -> None:
+        # Keep every request: the transfer settles when they all complete, as they do when
+        # the peer answers late or its endpoint fails (ucxx then cancels them).
+        pass
+
+    def _settled(self, record: _UcxTransfer) -> bool:
+        receives = record.receives.requests if record.receives is not None else []
+        requests = [r for r in (record.ack, record.request) if r is not None]
+        return all(r.completed for r in requests + receives + record.sends)
+
+    def _discard(self, record: _UcxTransfer) -> None:
+        self._cancel(record)
 
     def _notifications(self) -> list[Notification]:
         return self._server.take_notifications() if self._server is not None else []

@@ -111,17 +111,20 @@ class UcxServer:
         return True
 
     def _read_requests(self) -> None:
-        waiting = []
-        for receive, buffer in self._incoming:
+        incoming, self._incoming = self._incoming, []
+        for receive, buffer in incoming:
             if not receive.completed:
-                waiting.append((receive, buffer))
+                self._incoming.append((receive, buffer))
             elif receive.status == 0:
-                self._start(decode_request(buffer))
-        self._incoming = waiting
+                try:
+                    self._start(decode_request(buffer))
+                except Exception:  # a malformed request or an unreachable requester
+                    log.exception("ucx server dropped a request")
 
     def _endpoint(self, address: bytes) -> Any:
         endpoint = self._endpoints.get(address)
         if endpoint is None or not endpoint.alive:
+            self._endpoints = {a: e for a, e in self._endpoints.items() if e.alive}
             endpoint = ucx_api.UCXEndpoint.create_from_worker_address(
                 self._worker, ucx_api.UCXAddress.create_from_buffer(address), True
             )

@@ -67,7 +67,8 @@ def view_shape(layer: LayerSpec, name: str, tp: int, rows: int, block_size: int)
 
 
 class LocalCaches:
-    """Plain per-tensor caches for one rank (no arena, no transport)."""
+    """Plain per-tensor caches for one rank (no arena, no transport); `tensors` maps
+    (layer index, tensor name) to each. SSM is always fp32, KV and conv use `dtype`."""
 
     def __init__(
         self,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -31,10 +32,17 @@ def reference_generate(
     caches = LocalCaches(
         geometry, num_blocks=num_blocks, block_size=REFERENCE_BLOCK_SIZE, num_slots=1, device=device
     )
-    engine = RankEngine(geometry, caches, TPGroup.single(), seed, device)
+    model = reference_model(geometry, seed, str(device))
+    engine = RankEngine(geometry, caches, model.tp, seed, device, model=model)
     blocks = list(range(num_blocks))
     first = engine.prefill(prompt_ids, blocks, slot=0)
     return [first] + engine.decode(first, len(prompt_ids), blocks, 0, max_tokens - 1)
+
+
+@functools.lru_cache(maxsize=4)
+def reference_model(geometry: ModelGeometry, seed: int = 0, device: str = "cpu") -> HybridModel:
+    """The TP=1 model, built once per (geometry, seed, device): it holds weights only."""
+    return HybridModel(geometry, TPGroup.single(), seed, device)
 
 
 def full_sequence_logits(model: HybridModel, token_ids: Sequence[int]) -> torch.Tensor:

@@ -44,7 +44,8 @@ class RankEngine:
     Any step or `mark_filling` that touches a slot or block being filled raises
     `CacheFillingError` (a RuntimeError) and changes nothing; decoding a FREE slot, or
     prefilling / filling a READY one, raises ValueError. `tp` None means TP=1 in-process;
-    `device` is where the weights live and must be the caches' device.
+    `device` is where the weights live and must be the caches' device. `model` reuses a
+    shard built for the same geometry, rank, seed and device (it holds weights only).
     """
 
     def __init__(
@@ -54,12 +55,20 @@ class RankEngine:
         tp: TPGroup | None = None,
         seed: int = 0,
         device: torch.device | str = "cpu",
+        *,
+        model: HybridModel | None = None,
     ) -> None:
         self.geometry = geometry
         self.caches = caches
         self.tp = tp or TPGroup.single()
         self.device = torch.device(device)
-        self.model = HybridModel(geometry, self.tp, seed, self.device)
+        if model is None:
+            model = HybridModel(geometry, self.tp, seed, self.device)
+        elif (model.geometry, model.tp.size, model.tp.rank, model.seed, model.device) != (
+            geometry, self.tp.size, self.tp.rank, seed, self.device
+        ):  # fmt: skip
+            raise ValueError("model: built for another geometry, TP rank, seed or device")
+        self.model = model
         self.slots = SlotTable(caches.num_slots)
         self.has_kv = bool(geometry.attention_layers)
 

@@ -3,7 +3,7 @@
 It works only on layouts and ids, never on tensors (docs/packer.md).
 """
 
-from transfer.packer.build import StagingPolicy, coalesce, plan_transfer
+from transfer.packer.build import StagingPolicy, coalesce, naive_descriptors, plan_transfer
 from transfer.packer.pieces import source_rank
 from transfer.packer.plan import Mode, Ranges, SourcePlan, TransferPlan
 from transfer.packer.request import TransferRequest, validate
@@ -16,6 +16,7 @@ __all__ = [
     "TransferPlan",
     "TransferRequest",
     "coalesce",
+    "naive_descriptors",
     "plan_transfer",
     "source_rank",
     "validate",

@@ -162,3 +162,9 @@ def plan_transfer(
         useful += d_layout.state_bytes_per_slot * len(request.dst_slots)
         plans.append(TransferPlan(d_layout.rank, request.num_tokens, sources, useful, naive))
     return tuple(plans)
+
+
+def naive_descriptors(plans: Sequence[TransferPlan]) -> int:
+    """What posting one descriptor per (layer, block, K/V region) and per (state tensor,
+    slot), per source rank, would take for these plans, as vLLM's NixlConnector does."""
+    return sum(plan.naive_descriptors for plan in plans)

@@ -11,7 +11,7 @@ import numpy as np
 
 
 def _int64(values: Any) -> np.ndarray:
-    array = np.ascontiguousarray(values, dtype=np.int64)
+    array = np.array(values, dtype=np.int64)  # a private copy, so read-only is safe
     array.flags.writeable = False
     return array
 

@@ -17,6 +17,7 @@ import torch
 from transfer.cache.layout import Layout
 from transfer.geometry import CacheTensor, ModelGeometry, Role
 from transfer.packer.plan import TransferPlan
+from transfer.packer.request import TransferRequest
 from transfer.sizing import CacheDtypes
 
 _INT_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -162,23 +163,25 @@ def apply_memcpy(
     plans: Sequence[TransferPlan],
     prefill_arenas: Sequence[np.ndarray],
     decode_arenas: Sequence[np.ndarray],
+    steps: Sequence[str] = ("gather", "wire", "scatter"),
 ) -> None:
-    """Run the plans on uint8 arrays: every gather, then every wire copy, then every scatter."""
-    for plan in plans:
-        for source in plan.sources:
-            arena = prefill_arenas[source.prefill_rank]
-            for s, d, n in source.gather.entries():
-                arena[d : d + n] = arena[s : s + n]
-    for plan in plans:
-        for source in plan.sources:
-            src, dst = prefill_arenas[source.prefill_rank], decode_arenas[plan.decode_rank]
-            for s, d, n in source.wire.entries():
-                dst[d : d + n] = src[s : s + n]
-    for plan in plans:
-        arena = decode_arenas[plan.decode_rank]
-        for source in plan.sources:
-            for s, d, n in source.scatter.entries():
-                arena[d : d + n] = arena[s : s + n]
+    """Run the plans on uint8 arrays: every gather, then every wire copy, then every scatter
+    (or only the `steps` named, when another tool runs the rest)."""
+    for step in steps:
+        for plan in plans:
+            for source in plan.sources:
+                src = (
+                    decode_arenas[plan.decode_rank]
+                    if step == "scatter"
+                    else prefill_arenas[source.prefill_rank]
+                )
+                dst = (
+                    prefill_arenas[source.prefill_rank]
+                    if step == "gather"
+                    else decode_arenas[plan.decode_rank]
+                )
+                for s, d, n in getattr(source, step).entries():
+                    dst[d : d + n] = src[s : s + n]
 
 
 def _staging_mask(layout: Layout) -> np.ndarray:
@@ -190,7 +193,7 @@ def _staging_mask(layout: Layout) -> np.ndarray:
 def check_transfer(
     prefill: Sequence[Layout],
     decode: Sequence[Layout],
-    request,
+    request: TransferRequest,
     plans: Sequence[TransferPlan],
     rng: np.random.Generator,
     apply=apply_memcpy,
@@ -199,6 +202,15 @@ def check_transfer(
     around random garbage), run `apply(plans, prefill_arenas, decode_arenas)`, and list
     every problem: a decode tensor that differs from what a TP=D run holds, or a byte
     outside the request (and outside staging areas) that changed on either side."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # many tiny index ops: worker threads only add contention
+    try:
+        return _check_transfer(prefill, decode, request, plans, rng, apply)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _check_transfer(prefill, decode, request, plans, rng, apply) -> list[str]:
     geometry, n = prefill[0].geometry, request.num_tokens
     cache = GlobalCache.random(geometry, n, len(request.src_slots), prefill[0].dtypes, rng)
     p_arenas = [rng.integers(0, 256, p.arena_bytes, dtype=np.uint8) for p in prefill]

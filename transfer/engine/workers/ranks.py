@@ -88,6 +88,9 @@ def rank_main(spec: Any, conn, build: str) -> None:
     returns an object whose methods are the commands; `conn` is the pipe to the control
     process (rank 0 only, else None). Naming it keeps torch out of the control process."""
     die_with_parent()
+    parent = mp.parent_process()
+    if parent is not None and os.getppid() != parent.pid:
+        return  # the control process died before we could ask to die with it
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the control process decides when to stop
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{spec.rank} %(message)s")
     from transfer.engine.distributed import init_tp_group

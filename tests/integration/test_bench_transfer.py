@@ -1,0 +1,146 @@
+"""`pdxfer bench transfer` end to end on tiny sizes: real rank processes, real transports.
+
+Timing is never asserted; the shape of the report, the byte counts of the three modes and
+the benchmark's own byte verification (it fails the run on a checksum mismatch) are.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from transfer.cli import main
+
+RESULT_KEYS = {
+    "tokens": int,
+    "bytes": int,
+    "gbps": float,
+    "raw_gbps": float,
+    "naive_gbps": float,
+    "efficiency": float,
+    "speedup": float,
+    "descriptors": int,
+    "naive_descriptors": int,
+}
+
+
+def _bench(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    entry = "import sys; from transfer.cli import main; sys.exit(main())"
+    argv = [sys.executable, "-c", entry, "bench", "transfer", "--repeats", "2", *args]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+
+
+def _check_results(report: dict, tokens: list[int]) -> None:
+    assert [r["tokens"] for r in report["results"]] == tokens
+    for result in report["results"]:
+        for key, kind in RESULT_KEYS.items():
+            assert isinstance(result[key], kind), (key, result[key])
+        assert result["bytes"] == result["raw_bytes"] == result["naive_bytes"] > 0
+        assert result["verified"] is True
+        assert result["raw_descriptors"] <= result["descriptors"] < result["naive_descriptors"]
+
+
+@pytest.mark.slow
+def test_loopback_tiny_hetero_tp(tmp_path):
+    csv_path, png_path = tmp_path / "t.csv", tmp_path / "t.png"
+    # A cap below the full tiny model's arenas: the benchmark must scale layers and say so.
+    done = _bench(
+        "--model",
+        "tiny-qwen3-next",
+        "--tokens",
+        "256,1024",
+        "--prefill-tp",
+        "2",
+        "--decode-tp",
+        "1",
+        "--max-arena-bytes",
+        "5MB",
+        "--control-tickets",
+        "20",
+        "--control-concurrency",
+        "2",
+        "--json",
+        "--csv",
+        str(csv_path),
+        "--plot",
+        str(png_path),
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    assert report["layers"] < report["model_layers"] == 8
+    assert f"scaled tiny-qwen3-next from 8 to {report['layers']} layers" in done.stderr
+    assert sum(report["arena_bytes"].values()) <= 5_000_000
+    _check_results(report, [256, 1024])
+    assert report["control"]["tickets_per_s"] > 0 and report["control"]["p99_ms"] > 0
+    with open(csv_path) as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["tokens"]) for r in rows] == [256, 1024]
+    assert png_path.stat().st_size > 0
+
+
+def _can_netns() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root"
+    if shutil.which("ip") is None:
+        return "needs iproute2"
+    return None
+
+
+def _namespaces() -> set[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
+    return {line.split()[0] for line in out.splitlines() if line.startswith("pdx-")}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_can_netns() is not None, reason=str(_can_netns()))
+def test_netns_tiny_replicated_mla():
+    before = _namespaces()
+    done = _bench(
+        "--model",
+        "tiny-kimi-linear",
+        "--tokens",
+        "256",
+        "--tp-pairs",
+        "1:2",
+        "--nodes",
+        "netns",
+        "--control-tickets",
+        "0",
+        "--json",
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    assert (report["nodes"], report["tls"]) == ("netns", "tcp")
+    _check_results(report, [256])
+    assert "control" not in report
+    assert not _namespaces() - before
+
+
+def test_netns_without_root_says_so(monkeypatch, capsys):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    code = main(["bench", "transfer", "--model", "tiny-qwen3-next", "--nodes", "netns"])
+    assert code == 2
+    assert "needs root" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "args, field",
+    [
+        (["--tokens", "1k,x"], "--tokens"),
+        (["--tokens", "0"], "--tokens"),
+        (["--tp-pairs", "2-1"], "--tp-pairs"),
+        (["--decode-tp", "3"], "--decode-tp 3"),
+        (["--repeats", "0"], "--repeats"),
+        (["--max-arena-bytes", "lots"], "--max-arena-bytes"),
+    ],
+)
+def test_bad_input_names_the_field(args, field, capsys):
+    code = main(["bench", "transfer", "--model", "tiny-qwen3-next", *args])
+    assert code == 2
+    assert field in capsys.readouterr().err

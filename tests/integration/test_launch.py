@@ -1,0 +1,135 @@
+"""`pdxfer launch --verify` end to end: router, prefill and decode as real processes, both
+tiny models, TP pairs with re-slicing in both directions, both transports.
+
+Each run checks the decode caches bit for bit against the prefill caches re-sliced by the
+geometry's shard functions, and the tokens against a colocated TP=1 run. Here we also check
+what the transfer moved against sizes computed from the geometry alone, and that no process
+of the run survives it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from transfer.engine.workers.procs import LAUNCH_ID_ENV, processes_with_env
+from transfer.presets import get_preset
+from transfer.sizing import CacheDtypes, attention_kv_bytes_per_token, linear_state_bytes
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+MAIN = "import sys; from transfer.cli import main; sys.exit(main())"
+REQUESTS = 2
+MAX_TOKENS = 6
+FP32 = CacheDtypes(4, 4, 4)
+JSON_KEYS = {
+    "requests", "verified", "failed", "transport", "prefill_tp", "decode_tp",
+    "kv_bytes", "state_bytes", "descriptors", "ttft_ms", "transfer_ms",
+}  # fmt: skip
+
+# (model, prefill TP, decode TP, transport, prompt length). The longer prompts span several
+# KV blocks (128 tokens for tiny-qwen3-next, 256 for tiny-kimi-linear at these settings).
+CASES = [
+    ("tiny-qwen3-next", 1, 1, "nixl", 48),
+    ("tiny-qwen3-next", 2, 1, "nixl", 200),
+    ("tiny-qwen3-next", 1, 2, "nixl", 72),
+    ("tiny-kimi-linear", 1, 1, "nixl", 64),
+    ("tiny-kimi-linear", 2, 1, "nixl", 80),
+    ("tiny-kimi-linear", 1, 2, "nixl", 300),
+]
+
+
+def run_launch(args: list[str], timeout_s: float = 300) -> tuple[subprocess.CompletedProcess, str]:
+    launch_id = uuid.uuid4().hex
+    env = {**os.environ, LAUNCH_ID_ENV: launch_id}
+    proc = subprocess.run(
+        [sys.executable, "-c", MAIN, "launch", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+    return proc, launch_id
+
+
+def assert_no_leftovers(launch_id: str, wait_s: float = 10.0) -> None:
+    deadline = time.monotonic() + wait_s
+    while (left := processes_with_env(LAUNCH_ID_ENV, launch_id)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, f"processes of the launch run survived it: {left}"
+
+
+def expected_bytes(model: str, decode_tp: int, num_tokens: int) -> tuple[int, int]:
+    """(KV, state) bytes all decode ranks must receive for one request: each rank exactly
+    the shard a TP=decode_tp engine holds."""
+    geometry = get_preset(model)
+    kv = sum(
+        attention_kv_bytes_per_token(layer, decode_tp, FP32) for layer in geometry.attention_layers
+    )
+    state = sum(
+        linear_state_bytes(layer, decode_tp, FP32).total for layer in geometry.linear_layers
+    )
+    return kv * num_tokens * decode_tp, state * decode_tp
+
+
+@pytest.mark.parametrize(("model", "p_tp", "d_tp", "transport", "prompt_len"), CASES)
+def test_launch_verify_json(model, p_tp, d_tp, transport, prompt_len):
+    args = [
+        "--model", model, "--prefill-tp", str(p_tp), "--decode-tp", str(d_tp),
+        "--transport", transport, "--requests", str(REQUESTS), "--prompt-len", str(prompt_len),
+        "--max-tokens", str(MAX_TOKENS), "--verify", "--json",
+    ]  # fmt: skip
+    proc, launch_id = run_launch(args)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = json.loads(proc.stdout)
+    assert summary.keys() >= JSON_KEYS
+    assert summary["requests"] == summary["verified"] == REQUESTS
+    assert summary["failed"] == 0
+    assert (summary["transport"], summary["prefill_tp"], summary["decode_tp"]) == (
+        transport,
+        p_tp,
+        d_tp,
+    )
+    kv, state = expected_bytes(model, d_tp, prompt_len)
+    assert summary["kv_bytes"] == REQUESTS * kv
+    assert summary["state_bytes"] == REQUESTS * state
+    assert summary["descriptors"] >= REQUESTS * p_tp  # at least one read per source rank
+    for key in ("ttft_ms", "transfer_ms"):
+        assert set(summary[key]) == {"p50", "p99"}
+        assert 0 < summary[key]["p50"] <= summary[key]["p99"]
+    for row in summary["per_request"]:
+        assert row["tokens"] == MAX_TOKENS and not row["error"] and not row["problems"]
+    assert_no_leftovers(launch_id)
+
+
+def test_launch_ucx_table():
+    """The second transport, and the human-readable table."""
+    args = [
+        "--model", "tiny-qwen3-next", "--prefill-tp", "2", "--decode-tp", "1",
+        "--transport", "ucx", "--requests", str(REQUESTS), "--prompt-len", "64",
+        "--max-tokens", str(MAX_TOKENS), "--verify",
+    ]  # fmt: skip
+    proc, launch_id = run_launch(args)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].split()[:3] == ["request", "tokens", "ttft"]
+    rows = [line.split() for line in lines if line.startswith("req-")]
+    assert len(rows) == REQUESTS and all(row[-1] == "ok" for row in rows)
+    assert f"{REQUESTS} requests, 0 failed, {REQUESTS} verified | ucx P=2 D=1" in proc.stdout
+    assert_no_leftovers(launch_id)
+
+
+def test_launch_rejects_bad_tp_before_starting_anything():
+    proc, launch_id = run_launch(["--model", "tiny-kimi-linear", "--prefill-tp", "3"], timeout_s=60)
+    assert proc.returncode == 2
+    assert "--prefill-tp 3" in proc.stderr and "does not divide" in proc.stderr
+    assert_no_leftovers(launch_id, wait_s=0)

@@ -1,0 +1,94 @@
+"""Ctrl-C in the middle of a `pdxfer launch` run stops every process it started."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import pytest
+
+from tests.integration.test_launch import MAIN, ROOT, assert_no_leftovers
+from transfer.engine.workers.procs import LAUNCH_ID_ENV, processes_with_env
+
+pytestmark = pytest.mark.slow
+
+STARTUP_S = 180
+LONG = 10_000  # tokens: minutes of decoding, and the caches still fit
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_interrupt_mid_run_leaves_nothing_behind(sig):
+    launch_id = uuid.uuid4().hex
+    args = ["launch", "--model", "tiny-qwen3-next", "--prefill-tp", "2", "--requests", "2",
+            "--prompt-len", "32", "--max-tokens", str(LONG)]  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-c", MAIN, *args],
+        cwd=ROOT,
+        env={**os.environ, LAUNCH_ID_ENV: launch_id},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    streaming = threading.Event()
+    lines: list[str] = []
+
+    def read_stderr() -> None:
+        for line in proc.stderr:
+            lines.append(line)
+            if "tokens streamed" in line and not line.rstrip().endswith(" 0 tokens streamed"):
+                streaming.set()
+
+    reader = threading.Thread(target=read_stderr, daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + STARTUP_S
+        while not streaming.wait(0.2):
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)
+        # The router, the two workers and their three ranks are all up and busy.
+        assert len(processes_with_env(LAUNCH_ID_ENV, launch_id)) >= 6
+        proc.send_signal(sig)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    reader.join(5)
+    assert proc.returncode == 130, "".join(lines)
+    assert "interrupted" in "".join(lines)
+    assert_no_leftovers(launch_id)
+
+
+def test_killed_launcher_takes_its_servers_down():
+    """Even SIGKILL, which the launcher cannot catch: its servers watch their parent."""
+    launch_id = uuid.uuid4().hex
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            MAIN,
+            "launch",
+            "--model",
+            "tiny-kimi-linear",
+            "--max-tokens",
+            "100000",
+        ],
+        cwd=ROOT,
+        env={**os.environ, LAUNCH_ID_ENV: launch_id},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + STARTUP_S
+        while len(processes_with_env(LAUNCH_ID_ENV, launch_id)) < 4:
+            assert time.monotonic() < deadline, "the run never started its workers"
+            time.sleep(0.2)
+        time.sleep(1.0)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert_no_leftovers(launch_id, wait_s=30)

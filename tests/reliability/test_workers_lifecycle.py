@@ -1,0 +1,224 @@
+"""A prefill and a decode instance in this process (their TP ranks are real processes):
+the request lifecycle, its failure paths, and regression tests for REFERENCE.md §5 bugs 4
+and 6. Every test ends with both instances' pools back at their totals and no live ticket.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from transfer.control.errors import ControlError
+from transfer.control.server import serve
+from transfer.control.types import DecodeRequest, GenerateRequest, PrefillRequest
+from transfer.engine.caches import LocalCaches
+from transfer.engine.reference import reference_generate
+from transfer.engine.router import ClientOptions, Router
+from transfer.engine.runner import RankEngine
+from transfer.engine.verify import check_request
+from transfer.engine.workers.decode import DecodeWorker, plan_reads
+from transfer.engine.workers.instance import Instance, InstanceConfig
+from transfer.engine.workers.prefill import PrefillWorker
+from transfer.engine.workers.procs import free_port
+from transfer.engine.workers.ranks import RankCommandError
+from transfer.presets import get_preset
+
+pytestmark = pytest.mark.slow
+
+MODEL = "tiny-qwen3-next"
+MAX_TOKENS = 6
+LEASE_S = 30.0
+
+
+def prompt(seed: int, length: int = 40) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 512, (length,), generator=gen).tolist()
+
+
+@dataclass
+class Side:
+    instance: Instance
+    worker: PrefillWorker | DecodeWorker
+    server: object
+    address: str
+
+    def close(self) -> None:
+        self.server.stop(grace=0)
+        self.worker.close()
+        self.instance.close()
+
+
+def start_prefill(dump_dir: Path, name: str) -> Side:
+    instance = Instance(config("prefill", dump_dir))
+    address = f"127.0.0.1:{free_port()}"
+    worker = PrefillWorker(instance, name, address, LEASE_S)
+    server = serve(address, store=worker.store, identity=worker.identity, prefill=worker.prefill)
+    worker.start()
+    return Side(instance, worker, server, address)
+
+
+def config(role: str, dump_dir: Path) -> InstanceConfig:
+    geometry = get_preset(MODEL)
+    return InstanceConfig(
+        role, geometry, 1, budget_bytes=16 << 20, max_seqs=3, dump_dir=str(dump_dir)
+    )
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The references run here, next to the ranks: one thread each keeps 2 cores sane."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    dump_dir = tmp_path_factory.mktemp("caches")
+    prefill = start_prefill(dump_dir, "prefill-a")
+    instance = Instance(config("decode", dump_dir))
+    address = f"127.0.0.1:{free_port()}"
+    worker = DecodeWorker(instance, "decode-a", ClientOptions(timeout_s=60.0))
+    decode = Side(instance, worker, serve(address, decode=worker.decode), address)
+    yield prefill, decode, dump_dir
+    decode.close()
+    prefill.close()
+
+
+def assert_idle(*sides: Side) -> None:
+    for side in sides:
+        pools = side.instance.pools
+        assert pools.blocks.num_free == pools.blocks.num_total, side.worker
+        assert pools.slots.num_free == pools.slots.num_total, side.worker
+        if isinstance(side.worker, PrefillWorker):
+            assert len(side.worker.store) == 0
+
+
+def wait_done(decode: Side, request_id: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while (states := decode.instance.ranks.call("transfer_poll", request_id)) != ["done"]:
+        assert time.monotonic() < deadline and states == ["pending"], states
+        time.sleep(0.001)
+
+
+def test_router_retries_on_another_prefill_instance(cluster):
+    prefill, decode, _ = cluster
+    dead = f"127.0.0.1:{free_port()}"  # nothing listens there
+    router = Router([dead, prefill.address], [decode.address], ClientOptions(timeout_s=60.0))
+    try:
+        ids = prompt(1)
+        events = list(router.generate(GenerateRequest("router-retry", tuple(ids), MAX_TOKENS)))
+    finally:
+        router.close()
+    assert [e.index for e in events] == list(range(MAX_TOKENS)) and events[-1].finished
+    assert [e.token for e in events] == reference_generate(get_preset(MODEL), ids, MAX_TOKENS)
+    first = events[0]
+    assert first.ttft_ms > 0 and first.transfer_ms > 0 and first.descriptors > 0
+    assert first.kv_bytes > 0 and first.state_bytes > 0
+    retries = router.metrics.registry.get_sample_value("pdxfer_router_prefill_retries_total")
+    assert retries == 1
+    assert_idle(prefill, decode)
+
+
+def test_transferred_state_is_not_reset_as_a_new_request(cluster):
+    """Bug 4: decode continues from the transferred S&Conv, bit for bit, never from zeros."""
+    prefill, decode, dump_dir = cluster
+    geometry, ids = get_preset(MODEL), prompt(2)
+    ticket = prefill.worker.prefill(PrefillRequest("bug4", tuple(ids), MAX_TOKENS))
+    tokens = [e.token for e in decode.worker.decode(DecodeRequest(ticket, MAX_TOKENS))]
+    assert check_request(geometry, dump_dir, "bug4", 1, 1).problems == ()
+    expected = reference_generate(geometry, ids, MAX_TOKENS)
+    assert tokens == expected
+    # The token check can see a reset: decoding from a zeroed state diverges.
+    assert reset_state_tokens(geometry, ids) != expected
+    assert_idle(prefill, decode)
+
+
+def reset_state_tokens(geometry, ids: list[int]) -> list[int]:
+    caches = LocalCaches(geometry, num_blocks=1, block_size=64, num_slots=1)
+    engine = RankEngine(geometry, caches)
+    first = engine.prefill(ids, [0], 0)
+    for layer in geometry.linear_layers:
+        caches.ssm(layer.index)[0].zero_()
+        for tensor in layer.cache_tensors()[1:]:
+            caches.conv(layer.index, tensor.name)[0].zero_()
+    return [first] + engine.decode(first, len(ids), [0], 0, MAX_TOKENS - 1)
+
+
+def test_no_step_touches_a_slot_while_a_transfer_fills_it(cluster):
+    """Bug 6: between posting the READs and seeing them DONE, decode steps on the slot are
+    refused; afterwards decode continues from the transferred bytes."""
+    prefill, decode, _ = cluster
+    geometry, ids, ranks = get_preset(MODEL), prompt(3), decode.instance.ranks
+    ticket = prefill.worker.prefill(PrefillRequest("bug6", tuple(ids), MAX_TOKENS))
+    peer = decode.worker.peer(ticket.address)
+    ticket = peer.client.acquire("bug6", decode.worker.instance_id)
+    cache = decode.instance.pools.allocate("bug6", len(ids) + MAX_TOKENS - 1)
+    blocks, slot = list(cache.block_ids), cache.slot_ids[0]
+    try:
+        reads = plan_reads(peer, decode.instance.layouts, ticket, blocks[:1], slot)
+        ranks.call(
+            "transfer_start", "bug6", peer.instance_id, reads.per_rank, slot, blocks[:1], 30.0
+        )
+        with pytest.raises(RankCommandError) as refused:
+            ranks.call("decode_step", ticket.first_token, len(ids), blocks, slot)
+        assert refused.value.kind == "CacheFillingError"
+        wait_done(decode, "bug6")
+        ranks.call("transfer_end", "bug6")
+        peer.client.release("bug6", decode.worker.instance_id, ticket.block_ids, ticket.slot_id)
+        tokens = [ticket.first_token]
+        for i in range(MAX_TOKENS - 1):
+            tokens += ranks.call("decode_step", tokens[-1], len(ids) + i, blocks, slot)
+        assert tokens == reference_generate(geometry, ids, MAX_TOKENS)
+    finally:
+        ranks.call("release", slot)
+        decode.instance.pools.free("bug6")
+    assert_idle(prefill, decode)
+
+
+def test_an_unfinished_transfer_never_becomes_readable(cluster):
+    """Cancelling a transfer leaves its slot FILLING until released, then FREE: no step
+    ever reads half-written bytes. The prefill side frees on Abort."""
+    prefill, decode, _ = cluster
+    ids, ranks = prompt(4), decode.instance.ranks
+    ticket = prefill.worker.prefill(PrefillRequest("cancelled", tuple(ids), MAX_TOKENS))
+    peer = decode.worker.peer(ticket.address)
+    ticket = peer.client.acquire("cancelled", decode.worker.instance_id)
+    cache = decode.instance.pools.allocate("cancelled", len(ids))
+    blocks, slot = list(cache.block_ids), cache.slot_ids[0]
+    reads = plan_reads(peer, decode.instance.layouts, ticket, blocks, slot)
+    ranks.call("transfer_start", "cancelled", peer.instance_id, reads.per_rank, slot, blocks, 30.0)
+    ranks.call("transfer_end", "cancelled")
+    with pytest.raises(RankCommandError) as filling:
+        ranks.call("decode_step", ticket.first_token, len(ids), blocks, slot)
+    assert filling.value.kind == "CacheFillingError"
+    ranks.call("release", slot)
+    decode.instance.pools.free("cancelled")
+    with pytest.raises(ValueError, match="holds no request state"):
+        ranks.call("decode_step", ticket.first_token, len(ids), blocks, slot)
+    peer.client.abort("cancelled", "test")
+    assert_idle(prefill, decode)
+
+
+def test_dead_prefill_ranks_fail_the_transfer_and_free_both_sides(cluster, tmp_path):
+    _, decode, _ = cluster
+    victim = start_prefill(tmp_path, "prefill-victim")
+    try:
+        ticket = victim.worker.prefill(PrefillRequest("orphan", tuple(prompt(5)), MAX_TOKENS))
+        decode.worker.peer(ticket.address)  # handshake while it is whole
+        for proc in victim.instance.ranks.procs:
+            proc.kill()
+            proc.join(10)
+        decode.worker.transfer_deadline_s = 5.0
+        with pytest.raises(ControlError) as failed:
+            list(decode.worker.decode(DecodeRequest(ticket, MAX_TOKENS)))
+        assert failed.value.code == "UNAVAILABLE"
+        assert_idle(victim, decode)  # the decode side aborted the ticket: prefill freed it
+    finally:
+        decode.worker.transfer_deadline_s = 60.0
+        victim.close()
