@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from .args import L2NORM_EPS
-from .triton_wy import ChunkLayout, f32_dot, full_key_block, mma, value_block
+from .triton_wy import ChunkLayout, full_key_block, mma, value_block
 
 
 @triton.jit
@@ -21,7 +21,7 @@ def state_passing_kernel(
     k, w, u, G, hs, v_new, h0, ht, cu_seqlens, chunk_offsets,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     BS: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PER_K: tl.constexpr,
-    HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, F32_DOT: tl.constexpr,
+    HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
     """Per chunk: save h, v_new = u - w h, h = exp(G_last) h + (k exp(G_last - G))^T v_new.
 
@@ -30,7 +30,6 @@ def state_passing_kernel(
     """
     i_n, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_kh = i_h // (HV // H)
-    dt = k.dtype.element_ty
     bos = tl.load(cu_seqlens + i_n)
     eos = tl.load(cu_seqlens + i_n + 1)
     first = tl.load(chunk_offsets + i_n)
@@ -61,7 +60,7 @@ def state_passing_kernel(
             b_w = tl.load(w + (rows[:, None] * HV + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
             offs_v = (rows[:, None] * HV + i_h) * V + o_v[None, :]
             b_u = tl.load(u + offs_v, mask=m_tv, other=0.0)
-            b_vn = b_u - mma(b_w.to(dt), b_h.to(dt), F32_DOT)
+            b_vn = b_u - mma(b_w, b_h, PREC)
             tl.store(v_new + offs_v, b_vn, mask=m_tv)
             b_k = tl.load(k + (rows[:, None] * H + i_kh) * K + o_k[None, :], mask=m_tk, other=0.0)
             b_k = b_k.to(tl.float32)
@@ -72,13 +71,13 @@ def state_passing_kernel(
             else:
                 b_G = tl.load(G + rows * HV + i_h, mask=m_t, other=0.0)
                 b_k = b_k * tl.exp(tl.where(m_t, b_glast - b_G, 0.0))[:, None]
-            b_next += mma(tl.trans(b_k.to(dt)), b_vn.to(dt), F32_DOT)
+            b_next += mma(tl.trans(b_k), b_vn, PREC)
         b_h = b_next
     if STORE_FINAL:
         tl.store(ht + (i_n * HV + i_h).to(tl.int64) * K * V + tile, b_h, mask=m_h)
 
 
-def state_passing(k, w, u, G, initial_state, output_final_state, layout: ChunkLayout):
+def state_passing(k, w, u, G, initial_state, output_final_state, layout: ChunkLayout, prec: str):
     """hs [NT, HV, K, V] (state entering each chunk), v_new [T_all, HV, V], final [N, HV, K, V]."""
     H, K = k.shape[1], k.shape[2]
     HV, V = u.shape[1], u.shape[2]
@@ -89,11 +88,12 @@ def state_passing(k, w, u, G, initial_state, output_final_state, layout: ChunkLa
         final = torch.empty(layout.num_seqs, HV, K, V, dtype=torch.float32, device=u.device)
     BK = full_key_block(K)
     BV = min(32, value_block(V))
+    BS = min(layout.chunk_size, 16 if BK > 128 else 32)
     state_passing_kernel[(layout.num_seqs, HV, triton.cdiv(V, BV))](
         k, w, u, G, hs, v_new, initial_state, final, layout.cu_seqlens, layout.chunk_offsets,
-        H=H, HV=HV, K=K, V=V, BT=layout.chunk_size, BS=min(layout.chunk_size, 16 if BK > 128 else 32),
-        BK=BK, BV=BV, PER_K=G.ndim == 3, HAS_H0=initial_state is not None,
-        STORE_FINAL=final is not None, F32_DOT=f32_dot(), num_stages=2,
+        H=H, HV=HV, K=K, V=V, BT=layout.chunk_size, BS=BS, BK=BK, BV=BV, PER_K=G.ndim == 3,
+        HAS_H0=initial_state is not None, STORE_FINAL=final is not None, PREC=prec,
+        num_warps=8, num_stages=2,
     )  # fmt: skip
     return hs, v_new, final
 

@@ -80,19 +80,23 @@ def value_block(V: int) -> int:
     return min(64, max(16, triton.next_power_of_2(V)))
 
 
-def f32_dot() -> bool:
-    """True under the Triton interpreter, whose tl.dot multiplies bf16/fp16 bits as integers."""
-    return bool(triton.knobs.runtime.interpret)
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs keep exact fp32 products; half-precision inputs use tf32 tensor cores. Under
+    the Triton interpreter tf32 is emulated, so its tests see the GPU's operand rounding."""
+    if dtype == torch.float32:
+        return "ieee"
+    return "tf32_emulated" if triton.knobs.runtime.interpret else "tf32"
 
 
 @triton.jit
-def mma(a, b, F32_DOT: tl.constexpr):
-    """a @ b, fp32 accumulation, on operands the caller rounded to the input dtype (tensor-core
-    bf16 on a GPU). With F32_DOT they are widened back to fp32 first: the same exact products."""
-    if F32_DOT:
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
-    return tl.dot(a, b, input_precision="ieee")
+def mma(a, b, PREC: tl.constexpr):
+    """a @ b on fp32 tiles with fp32 accumulation, at the precision dot_precision chose."""
+    if PREC == "tf32_emulated":
+        # the tensor cores read the top 19 bits (tf32) of each fp32 operand
+        a = (a.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
+        b = (b.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b, input_precision=PREC)
 
 
 @triton.jit
@@ -115,13 +119,13 @@ def l2norm_kernel(
     offs = rows[:, None] * D + cols[None, :]
     b_x = tl.load(x + offs, mask=mask, other=0.0).to(tl.float32)
     b_y = b_x / tl.sqrt(tl.sum(b_x * b_x, 1) + EPS)[:, None]
-    tl.store(y + offs, b_y.to(y.dtype.element_ty), mask=mask)
+    tl.store(y + offs, b_y, mask=mask)
 
 
 def l2norm_rows(x: torch.Tensor) -> torch.Tensor:
-    """x / sqrt(sum(x^2) + eps) over the last dim, computed in fp32, stored in x's dtype."""
+    """fp32 x / sqrt(sum(x^2) + eps) over the last dim."""
     D = x.shape[-1]
-    y = torch.empty_like(x)
+    y = torch.empty(x.shape, dtype=torch.float32, device=x.device)
     n_rows = x.numel() // D
     BR = 16
     l2norm_kernel[(triton.cdiv(n_rows, BR),)](
@@ -236,7 +240,7 @@ def wy_kernel(
     k, v, beta, G, Ai, w, u, cu_seqlens, chunk_indices,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PER_K: tl.constexpr,
-    F32_DOT: tl.constexpr,
+    PREC: tl.constexpr,
 ):  # fmt: skip
     """w = Ai (beta * exp(G) * k), u = Ai (beta * v) for one chunk and value head."""
     i_t, i_h = tl.program_id(0), tl.program_id(1)
@@ -248,14 +252,12 @@ def wy_kernel(
     lower = m_t[:, None] & (o_t[None, :] <= o_t[:, None])
     b_Ai = tl.load(Ai + (rows[:, None] * HV + i_h) * BT + o_t[None, :], mask=lower, other=0.0)
     b_beta = tl.load(beta + rows * HV + i_h, mask=m_t, other=0.0).to(tl.float32)
-    dt = k.dtype.element_ty
-    b_Ai = b_Ai.to(dt)
     for i_v in range((V + BV - 1) // BV):
         o_v = i_v * BV + tl.arange(0, BV)
         mask = m_t[:, None] & (o_v < V)[None, :]
         offs = (rows[:, None] * HV + i_h) * V + o_v[None, :]
         b_v = tl.load(v + offs, mask=mask, other=0.0).to(tl.float32) * b_beta[:, None]
-        tl.store(u + offs, mma(b_Ai, b_v.to(dt), F32_DOT), mask=mask)
+        tl.store(u + offs, mma(b_Ai, b_v, PREC), mask=mask)
     if not PER_K:
         b_decay = tl.exp(tl.load(G + rows * HV + i_h, mask=m_t, other=0.0))
     for i_k in range((K + BK - 1) // BK):
@@ -268,10 +270,10 @@ def wy_kernel(
             b_k = b_k * tl.exp(tl.load(G + offs, mask=mask, other=0.0))
         else:
             b_k = b_k * b_decay[:, None]
-        tl.store(w + offs, mma(b_Ai, b_k.to(dt), F32_DOT), mask=mask)
+        tl.store(w + offs, mma(b_Ai, b_k, PREC), mask=mask)
 
 
-def wy_transform(k, v, beta, G, Ai, layout: ChunkLayout):
+def wy_transform(k, v, beta, G, Ai, layout: ChunkLayout, prec: str):
     """w [T_all, HV, K] and u [T_all, HV, V], fp32."""
     H, K = k.shape[1], k.shape[2]
     HV, V = v.shape[1], v.shape[2]
@@ -280,6 +282,6 @@ def wy_transform(k, v, beta, G, Ai, layout: ChunkLayout):
     wy_kernel[(layout.num_chunks, HV)](
         k, v, beta, G, Ai, w, u, layout.cu_seqlens, layout.chunk_indices,
         H=H, HV=HV, K=K, V=V, BT=layout.chunk_size, BK=key_block(K), BV=value_block(V),
-        PER_K=G.ndim == 3, F32_DOT=f32_dot(),
+        PER_K=G.ndim == 3, PREC=prec, num_warps=8,
     )  # fmt: skip
     return w, u

@@ -1,4 +1,4 @@
-"""Kimi Delta Attention: chunked (prefill) and recurrent (decode) ops, Triton or torch by backend."""
+"""Kimi Delta Attention: chunked (prefill) and recurrent (decode) ops, Triton or torch."""
 
 from __future__ import annotations
 

@@ -40,21 +40,22 @@ def _chunk_one(q, k, v, g, beta, S, chunk_size):
     G = g.cumsum(-2)
     idx = torch.arange(chunk_size, device=q.device)
     causal = (idx[:, None] >= idx[None, :])[..., None]
-    # decay[..., i, j, c] = exp(G_ic - G_jc) for j <= i, else 0 (masked before exp: no overflow)
-    decay = (G[..., :, None, :] - G[..., None, :, :]).masked_fill(~causal, float("-inf")).exp()
-    A = beta[..., None] * torch.einsum("...ic,...jc,...ijc->...ij", k, k, decay)
-    A = A.tril(-1)
     eye = torch.eye(chunk_size, device=q.device)
-    T_inv = torch.linalg.solve_triangular(eye + A, eye, upper=False)
-    w = T_inv @ (beta[..., None] * G.exp() * k)
-    u = T_inv @ (beta[..., None] * v)
-    attn = torch.einsum("...ic,...jc,...ijc->...ij", q, k, decay)
     o = torch.empty_like(v)
     for c in range(q.shape[1]):
-        v_new = u[:, c] - w[:, c] @ S
-        o[:, c] = (q[:, c] * G[:, c].exp()) @ S + attn[:, c] @ v_new
-        g_last = G[:, c, -1]
-        k_decayed = k[:, c] * (g_last[:, None] - G[:, c]).exp()
+        qc, kc, vc, Gc, bc = q[:, c], k[:, c], v[:, c], G[:, c], beta[:, c, :, None]
+        # decay[h, i, j, c] = exp(G_ic - G_jc) for j <= i, else 0 (masked before exp: no overflow)
+        diff = Gc[:, :, None, :] - Gc[:, None, :, :]
+        decay = diff.masked_fill(~causal, float("-inf")).exp()
+        A = (bc * torch.einsum("hic,hjc,hijc->hij", kc, kc, decay)).tril(-1)
+        T_inv = torch.linalg.solve_triangular(eye + A, eye, upper=False)
+        w = T_inv @ (bc * Gc.exp() * kc)
+        u = T_inv @ (bc * vc)
+        v_new = u - w @ S
+        attn = torch.einsum("hic,hjc,hijc->hij", qc, kc, decay)
+        o[:, c] = (qc * Gc.exp()) @ S + attn @ v_new
+        g_last = Gc[:, -1]
+        k_decayed = kc * (g_last[:, None] - Gc).exp()
         S = S * g_last.exp()[..., None] + k_decayed.transpose(-1, -2) @ v_new
     heads, V = o.shape[0], o.shape[-1]
     return o.movedim(0, 2).reshape(-1, heads, V)[:L], S

@@ -43,7 +43,7 @@ CASES = [
     ("tiny-qwen3-next", 1, 2, "nixl", 72),
     ("tiny-kimi-linear", 1, 1, "nixl", 64),
     ("tiny-kimi-linear", 2, 1, "nixl", 80),
-    ("tiny-kimi-linear", 1, 2, "nixl", 300),
+    ("tiny-kimi-linear", 1, 2, "nixl", 270),
 ]
 
 

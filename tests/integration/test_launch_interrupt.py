@@ -63,22 +63,15 @@ def test_interrupt_mid_run_leaves_nothing_behind(sig):
     assert_no_leftovers(launch_id)
 
 
-def test_killed_launcher_takes_its_servers_down():
+def test_killed_launcher_takes_its_servers_down(tmp_path):
     """Even SIGKILL, which the launcher cannot catch: its servers watch their parent."""
     launch_id = uuid.uuid4().hex
+    args = ["launch", "--model", "tiny-kimi-linear", "--max-tokens", str(LONG)]
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            MAIN,
-            "launch",
-            "--model",
-            "tiny-kimi-linear",
-            "--max-tokens",
-            "100000",
-        ],
+        [sys.executable, "-c", MAIN, *args],
         cwd=ROOT,
-        env={**os.environ, LAUNCH_ID_ENV: launch_id},
+        # TMPDIR: the run directory a killed launcher cannot remove lands in tmp_path.
+        env={**os.environ, LAUNCH_ID_ENV: launch_id, "TMPDIR": str(tmp_path)},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

@@ -5,6 +5,9 @@ and 6. Every test ends with both instances' pools back at their totals and no li
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,6 +93,23 @@ def cluster(tmp_path_factory):
     prefill.close()
 
 
+@pytest.fixture(scope="module")
+def spare(tmp_path_factory):
+    """A second prefill instance that talks TCP only, where a READ needs the target to make
+    progress: stopping its rank (SIGSTOP) holds a transfer in flight as long as we like."""
+    previous = os.environ.get("UCX_TLS")
+    os.environ["UCX_TLS"] = "tcp"  # inherited by the rank process, and only by it
+    try:
+        side = start_prefill(tmp_path_factory.mktemp("spare"), "prefill-spare")
+    finally:
+        if previous is None:
+            del os.environ["UCX_TLS"]
+        else:
+            os.environ["UCX_TLS"] = previous
+    yield side
+    side.close()
+
+
 def assert_idle(*sides: Side) -> None:
     for side in sides:
         pools = side.instance.pools
@@ -101,7 +121,7 @@ def assert_idle(*sides: Side) -> None:
 
 def wait_done(decode: Side, request_id: str, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
-    while (states := decode.instance.ranks.call("transfer_poll", request_id)) != ["done"]:
+    while (states := [s for s, _ in decode.instance.ranks.call("transfer_poll", request_id)]) != ["done"]:  # fmt: skip
         assert time.monotonic() < deadline and states == ["pending"], states
         time.sleep(0.001)
 
@@ -150,35 +170,51 @@ def reset_state_tokens(geometry, ids: list[int]) -> list[int]:
     return [first] + engine.decode(first, len(ids), [0], 0, MAX_TOKENS - 1)
 
 
-def test_no_step_touches_a_slot_while_a_transfer_fills_it(cluster):
-    """Bug 6: between posting the READs and seeing them DONE, decode steps on the slot are
-    refused; afterwards decode continues from the transferred bytes."""
+def test_no_step_touches_a_slot_while_a_transfer_fills_it(cluster, spare):
+    """Bug 6: while a READ is in flight, decode steps on its slot are refused, and other
+    requests keep decoding; once DONE, decode continues from the transferred bytes. The
+    READ is held in flight by stopping the prefill rank it reads from."""
     prefill, decode, _ = cluster
-    geometry, ids, ranks = get_preset(MODEL), prompt(3), decode.instance.ranks
-    ticket = prefill.worker.prefill(PrefillRequest("bug6", tuple(ids), MAX_TOKENS))
-    peer = decode.worker.peer(ticket.address)
-    ticket = peer.client.acquire("bug6", decode.worker.instance_id)
-    cache = decode.instance.pools.allocate("bug6", len(ids) + MAX_TOKENS - 1)
-    blocks, slot = list(cache.block_ids), cache.slot_ids[0]
+    geometry, ranks, holder = get_preset(MODEL), decode.instance.ranks, decode.worker.instance_id
+    bystander = prefill.worker.prefill(PrefillRequest("bystander", tuple(prompt(6)), MAX_TOKENS))
+    other = iter(decode.worker.decode(DecodeRequest(bystander, MAX_TOKENS)))
+    next(other)  # transferred and decoding
+    stalled = spare
+    rank = stalled.instance.ranks.procs[0].pid
+    ids = prompt(3)
     try:
+        ticket = stalled.worker.prefill(PrefillRequest("bug6", tuple(ids), MAX_TOKENS))
+        peer = decode.worker.peer(ticket.address)
+        ticket = peer.client.acquire("bug6", holder)
+        cache = decode.instance.pools.allocate("bug6", len(ids) + MAX_TOKENS - 1)
+        blocks, slot = list(cache.block_ids), cache.slot_ids[0]
         reads = plan_reads(peer, decode.instance.layouts, ticket, blocks[:1], slot)
-        ranks.call(
-            "transfer_start", "bug6", peer.instance_id, reads.per_rank, slot, blocks[:1], 30.0
-        )
-        with pytest.raises(RankCommandError) as refused:
-            ranks.call("decode_step", ticket.first_token, len(ids), blocks, slot)
-        assert refused.value.kind == "CacheFillingError"
+        os.kill(rank, signal.SIGSTOP)
+        try:
+            ranks.call("transfer_start", "bug6", peer.instance_id, reads.per_rank, slot, blocks[:1], 60.0)  # fmt: skip
+            time.sleep(0.5)
+            assert ranks.call("transfer_poll", "bug6")[0][0] == "pending"
+            with pytest.raises(RankCommandError) as refused:
+                ranks.call("decode_step", ticket.first_token, len(ids), blocks, slot)
+            assert refused.value.kind == "CacheFillingError"
+            rest = [event.token for event in other]  # the other request is not held up
+            assert len(rest) == MAX_TOKENS - 1
+            assert ranks.call("transfer_poll", "bug6")[0][0] == "pending"
+        finally:
+            os.kill(rank, signal.SIGCONT)
         wait_done(decode, "bug6")
         ranks.call("transfer_end", "bug6")
-        peer.client.release("bug6", decode.worker.instance_id, ticket.block_ids, ticket.slot_id)
+        peer.client.release("bug6", holder, ticket.block_ids, ticket.slot_id)
         tokens = [ticket.first_token]
         for i in range(MAX_TOKENS - 1):
             tokens += ranks.call("decode_step", tokens[-1], len(ids) + i, blocks, slot)
         assert tokens == reference_generate(geometry, ids, MAX_TOKENS)
-    finally:
         ranks.call("release", slot)
         decode.instance.pools.free("bug6")
-    assert_idle(prefill, decode)
+        assert_idle(prefill, decode, stalled)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(rank, signal.SIGCONT)
 
 
 def test_an_unfinished_transfer_never_becomes_readable(cluster):
@@ -205,9 +241,10 @@ def test_an_unfinished_transfer_never_becomes_readable(cluster):
     assert_idle(prefill, decode)
 
 
-def test_dead_prefill_ranks_fail_the_transfer_and_free_both_sides(cluster, tmp_path):
+def test_dead_prefill_ranks_fail_the_transfer_and_free_both_sides(cluster, spare):
+    """Runs last: it kills the spare instance's rank."""
     _, decode, _ = cluster
-    victim = start_prefill(tmp_path, "prefill-victim")
+    victim = spare
     try:
         ticket = victim.worker.prefill(PrefillRequest("orphan", tuple(prompt(5)), MAX_TOKENS))
         decode.worker.peer(ticket.address)  # handshake while it is whole
@@ -221,4 +258,3 @@ def test_dead_prefill_ranks_fail_the_transfer_and_free_both_sides(cluster, tmp_p
         assert_idle(victim, decode)  # the decode side aborted the ticket: prefill freed it
     finally:
         decode.worker.transfer_deadline_s = 60.0
-        victim.close()

@@ -237,3 +237,27 @@ def test_removing_a_peer_fails_its_pending_transfers():
     assert status.failed and "removed" in status.reason
     a.close()
     b.close()
+
+
+@pytest.mark.parametrize("op", [Op.READ, Op.WRITE])
+def test_ucx_server_refuses_ranges_outside_its_arena(op):
+    """The requester checks bounds first; a stale view of the peer's arena still gets a
+    clear refusal from the serving side, and a refused WRITE lands nowhere."""
+    from dataclasses import replace
+
+    n = next(_names)
+    a, b = make_transport("ucx", f"ra{n}"), make_transport("ucx", f"rb{n}")
+    arena_b = torch.zeros(1 << 16, dtype=torch.uint8)
+    a.register(torch.ones(1 << 20, dtype=torch.uint8))
+    a.add_peer(b.register(arena_b))
+    stale = replace(a.peers[b.name], arena_bytes=1 << 20)  # as if b's arena had been larger
+    record, status = a._post(op, stale, RangeBatch.single(0, 1 << 15, 1 << 16), b"", 5.0)
+    assert status.pending
+    deadline = time.monotonic() + 10
+    while (status := a._check(record)).pending and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert status.failed and "refused" in status.reason and "arena" in status.reason
+    assert not arena_b.any()
+    a._discard(record)
+    a.close()
+    b.close()

@@ -83,6 +83,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--control-concurrency", type=int, default=16, help="control-plane clients (default 16)"
     )
     parser.add_argument(
+        "--hole-blocks",
+        type=int,
+        default=8,
+        help="fragmentation: earlier requests held 1..N blocks each, and the measured request "
+        "fills the holes they left (default 8: the most fragmented)",
+    )
+    parser.add_argument(
         "--seed", type=int, default=0, help="seed for bytes and fragmentation (default 0)"
     )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -129,6 +136,7 @@ def _check(args: argparse.Namespace, geometry, pairs) -> None:
     for field, value, low in (
         ("--repeats", args.repeats, 1),
         ("--block-size", args.block_size, 1),
+        ("--hole-blocks", args.hole_blocks, 1),
         ("--control-tickets", args.control_tickets, 0),
         ("--control-concurrency", args.control_concurrency, 1),
     ):
@@ -250,6 +258,7 @@ def measure(args: argparse.Namespace, geometry, tokens, pairs, max_arena: int) -
         args.tls,
         args.deadline,
         args.seed,
+        args.hole_blocks,
     )
     results, arenas = [], {}
     with placement(args.nodes) as nodes:
@@ -265,6 +274,7 @@ def measure(args: argparse.Namespace, geometry, tokens, pairs, max_arena: int) -
         "nodes": args.nodes,
         "tls": args.tls or ("tcp" if args.nodes == "netns" else "ucx default"),
         "block_size": args.block_size,
+        "hole_blocks": args.hole_blocks,
         "repeats": args.repeats,
         "arena_bytes": arenas,
         "definitions": {

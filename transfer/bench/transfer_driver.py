@@ -41,6 +41,7 @@ class Settings:
     tls: str | None  # None: UCX's own choice (netns forces "tcp")
     deadline_s: float
     seed: int
+    hole_blocks: int = 8
 
 
 Log = Callable[[str], None]
@@ -254,7 +255,9 @@ def run_pair(
 ) -> tuple[list[dict], int]:
     """Results of every token count for one TP pair, and the pair's total arena bytes."""
     base = build_instances(geometry, p_tp, d_tp, settings.block_size, max(settings.tokens))
-    requests = [make_request(base, n, settings.seed + n) for n in settings.tokens]
+    requests = [
+        make_request(base, n, settings.seed + n, settings.hole_blocks) for n in settings.tokens
+    ]
     instances = build_instances(
         geometry,
         p_tp,

@@ -21,6 +21,7 @@ from transfer.packer import StagingPolicy, TransferPlan, TransferRequest, plan_t
 # largest request needs at most this share of them.
 FREE_SHARE = 0.6
 SLOTS = 16
+HOLE_BLOCKS = 8  # `fragment`'s default: earlier requests of 1..8 blocks, the most fragmented
 STAGING_HEADROOM = 1 << 20
 # A vLLM-like layout for the naive comparison: per-layer KV regions and state slot arrays.
 NAIVE_OPTIONS = LayoutOptions(kv_order="layer_first", state_placement="per_layer")
@@ -120,22 +121,25 @@ def fit_geometry(
 
 
 def fragmented_request(
-    layout: Layout, num_tokens: int, rng: random.Random
+    layout: Layout, num_tokens: int, rng: random.Random, hole_blocks: int = HOLE_BLOCKS
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Block and slot ids of one request on pools fragmented as after serving many requests."""
+    """Block and slot ids of one request on pools fragmented as after serving many requests
+    of 1..`hole_blocks` blocks each (`fragment`): the request lands in the holes they left."""
     blocks, slots = BlockPool(layout.num_blocks), SlotPool(layout.num_slots)
     need = layout.blocks_for(num_tokens)
     for pool, enough in ((blocks, lambda: blocks.num_free >= need), (slots, slots.can_allocate)):
-        held = fragment(pool, rng)
+        held = fragment(pool, rng, max_request_blocks=hole_blocks)
         while not enough():
             pool.free(held.pop(rng.randrange(len(held))))
     return tuple(blocks.allocate(need)), tuple(slots.allocate())
 
 
-def make_request(instances: Instances, num_tokens: int, seed: int) -> TransferRequest:
+def make_request(
+    instances: Instances, num_tokens: int, seed: int, hole_blocks: int = HOLE_BLOCKS
+) -> TransferRequest:
     rng = random.Random(seed)
-    src_blocks, src_slots = fragmented_request(instances.prefill[0], num_tokens, rng)
-    dst_blocks, dst_slots = fragmented_request(instances.decode[0], num_tokens, rng)
+    src_blocks, src_slots = fragmented_request(instances.prefill[0], num_tokens, rng, hole_blocks)
+    dst_blocks, dst_slots = fragmented_request(instances.decode[0], num_tokens, rng, hole_blocks)
     return TransferRequest(num_tokens, src_blocks, src_slots, dst_blocks, dst_slots)
 
 

@@ -2,8 +2,9 @@
 
 A transport owns one registered arena and moves byte ranges between it and the arenas of
 its peers. A transfer is a handle you poll: PENDING, then DONE or FAILED(reason). Every
-transfer has a deadline; once it passes, `poll` stops what it can and answers FAILED. The
-caller may free its blocks once the FAILED status is also `settled` (see TransferStatus). Transports are not thread-safe: one owner thread calls them.
+transfer has a deadline; once it passes, `poll` stops what it can and answers FAILED. Its
+ranges may be reused once the status is also `settled` (see TransferStatus). Transports
+are not thread-safe: one owner thread calls them. The passive side needs no calls at all.
 """
 
 from __future__ import annotations
@@ -50,10 +51,13 @@ class Transport(Protocol):
         non-empty, reaches the peer's `notifications()` once the bytes have landed."""
         ...
 
-    def poll(self, handle: int) -> TransferStatus: ...
+    def poll(self, handle: int) -> TransferStatus:
+        """PENDING, DONE or FAILED; FAILED at the latest once the deadline has passed."""
+        ...
 
     def release(self, handle: int) -> None:
-        """Forget a transfer; a pending one is cancelled."""
+        """Forget a transfer. A pending one is cancelled as far as the backend can; poll
+        until `settled` first if its ranges will be reused."""
         ...
 
     def notifications(self) -> list[Notification]:
@@ -197,8 +201,9 @@ class TransportBase:
                 )
                 return entry.status
             if status.failed:
-                self._cancel(entry.record)
-            if not status.pending:
+                self._stop(entry, status.reason)
+                return entry.status
+            if status.done:
                 self._discard(entry.record)
         elif not status.settled and self._settled(entry.record):
             self._discard(entry.record)

@@ -100,6 +100,7 @@ class UcxTransport(TransportBase):
         )
         self._address = bytes(self._worker.address)
         self._endpoints: dict[bytes, Any] = {}
+        self._retained: list[Any] = []  # buffers of cancelled requests, kept till close
         self._tensor: torch.Tensor | None = None
         self._slicer: Any = None
         self._server: UcxServer | None = None
@@ -175,7 +176,8 @@ class UcxTransport(TransportBase):
                 return self._failure(record, f"{what} failed: {status_text(status)}")
         if not record.acked and record.ack.completed:
             reason = decode_ack(record.ack_buffer)
-            if reason is not None:
+            if reason is not None:  # it sends nothing (READ) or drains our stream (WRITE)
+                self._cancel(record)
                 return TransferStatus.failure(f"peer {record.peer!r} refused: {reason}")
             record.acked = True
         if record.receives is not None:
@@ -203,7 +205,11 @@ class UcxTransport(TransportBase):
 
     def _cancel(self, record: _UcxTransfer) -> None:
         # Dropping a ucxx request wrapper cancels the request; a receive that already
-        # matched its message cannot be cancelled and may still complete.
+        # matched its message cannot be cancelled and may still complete. UCX holds raw
+        # pointers, so the buffers of requests still in flight live until `close`.
+        if not self._settled(record):
+            rows = record.receives.rows if record.receives is not None else None
+            self._retained.append((record.ack_buffer, record.request_buffer, rows))
         if record.receives is not None:
             record.receives.requests.clear()
         cancel_sends(record.sends)
@@ -215,9 +221,7 @@ class UcxTransport(TransportBase):
         pass
 
     def _settled(self, record: _UcxTransfer) -> bool:
-        receives = record.receives.requests if record.receives is not None else []
-        requests = [r for r in (record.ack, record.request) if r is not None]
-        return all(r.completed for r in requests + receives + record.sends)
+        return all(r.completed for r in self._requests(record))
 
     def _discard(self, record: _UcxTransfer) -> None:
         self._cancel(record)
@@ -228,8 +232,12 @@ class UcxTransport(TransportBase):
     def _close(self) -> None:
         if self._server is not None:
             self._server.stop()
+        # Once progress has stopped UCX touches no buffer, so they may all go.
+        self._worker.stop_progress_thread()
+        if self._server is not None:
+            self._server.drop()
             self._server = None
         self._endpoints.clear()
-        self._worker.stop_progress_thread()
         self._tensor = self._slicer = None
+        self._retained.clear()
         del self._worker, self._context  # destroying the worker tells connected peers

@@ -50,6 +50,7 @@ class _Job:
     sends: list[Any] = field(default_factory=list)  # READ: our stream to the requester
     receives: Receives | None = None  # WRITE: the requester's stream into the arena
     refusal: str = ""  # a refused WRITE still drains its stream into scratch
+    scratch: np.ndarray | None = None
 
 
 class UcxServer:
@@ -60,6 +61,7 @@ class UcxServer:
         self._incoming: list[tuple[Any, np.ndarray]] = []
         self._jobs: list[_Job] = []
         self._acks: list[tuple[Any, np.ndarray]] = []
+        self._retained: list[Any] = []  # buffers of expired receives, kept till stop
         self._endpoints: dict[bytes, Any] = {}
         self._notifications: collections.deque[Notification] = collections.deque()
         self._stop = threading.Event()
@@ -69,17 +71,21 @@ class UcxServer:
         self._thread.start()
 
     def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop serving. Requests already posted stay posted until `drop`."""
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout_s)
+
+    def drop(self) -> None:
+        """Cancel and free everything; call once the worker's progress has stopped."""
+        self.stop()
         for job in self._jobs:
             cancel_sends(job.sends)
         self._jobs.clear()
         self._incoming.clear()
         self._acks.clear()
-        for endpoint in self._endpoints.values():
-            endpoint.remove_close_callback()
         self._endpoints.clear()
+        self._retained.clear()
 
     def take_notifications(self) -> list[Notification]:
         taken = []
@@ -146,8 +152,9 @@ class UcxServer:
             self._ack(job, "")
         else:
             slicer = self._slicer
-            if job.refusal:
-                scratch = memoryview(np.empty(int(request.nbytes.max()), dtype=np.uint8))
+            if job.refusal:  # drain the stream; the job keeps the scratch alive
+                job.scratch = np.empty(int(request.nbytes.max()), dtype=np.uint8)
+                scratch = memoryview(job.scratch)
                 slicer = lambda _offset, nbytes: Array(scratch[:nbytes])  # noqa: E731
             job.receives = post_receives(endpoint, slicer, request.offsets, request.nbytes, tag)
         self._jobs.append(job)
@@ -158,8 +165,10 @@ class UcxServer:
         for job in self._jobs:
             if not self._finished(job) and now < job.expires:
                 active.append(job)
-            else:
-                cancel_sends(job.sends)
+                continue
+            cancel_sends(job.sends)
+            if job.receives is not None and not job.receives.advance():
+                self._retained.append((job.receives.rows, job.scratch))  # UCX may still write
         progressed = len(active) != len(self._jobs)
         self._jobs = active
         self._acks = [(send, buffer) for send, buffer in self._acks if not send.completed]

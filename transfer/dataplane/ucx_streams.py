@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -60,7 +60,7 @@ class Receives:
     requests: list[Any]
     nbytes: np.ndarray
     cursor: int = 0  # requests before it have completed successfully
-    _error: int = field(default=0)
+    error: int = 0  # the ucs_status_t of the first failed receive
 
     def advance(self) -> bool:
         """Step past completed receives; True when all are done. A failed receive stops
@@ -69,14 +69,10 @@ class Receives:
         while self.cursor < len(requests) and requests[self.cursor].completed:
             status = int(requests[self.cursor].status)
             if status != 0:
-                self._error = status
+                self.error = status
                 return False
             self.cursor += 1
         return self.cursor == len(requests)
-
-    @property
-    def error(self) -> int:
-        return self._error
 
     def mismatch(self) -> str:
         return check_headers(self.rows, self.nbytes)

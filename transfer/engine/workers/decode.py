@@ -122,7 +122,12 @@ class DecodeWorker:
             try:
                 reply = client.handshake(self.instance_id, self.instance.compat)
                 layouts = tuple(Layout.from_dict(json.loads(b)) for b in reply.rank_layouts)
-                self.instance.ranks.call("add_peers", reply.instance_id, list(reply.rank_metadata))
+                staging = [layout.staging_offset for layout in layouts]
+                metadata = list(reply.rank_metadata)
+                self.instance.ranks.call("add_peers", reply.instance_id, metadata, staging)
+            except RankCommandError as exc:
+                client.close()
+                raise ControlError("UNAVAILABLE", f"connecting to {address}: {exc}") from None
             except BaseException:
                 client.close()
                 raise
@@ -198,30 +203,32 @@ class DecodeWorker:
             pools.free(rid)
 
     def _transfer(self, peer: Peer, ticket: Ticket, reads: Reads, blocks, slot: int) -> float:
-        """Post every rank's READs and poll them to DONE; seconds taken. Heartbeats keep the
-        lease while waiting. Raises TransferFailed (the slot stays FILLING until released)."""
+        """Post every rank's READs and poll them to DONE; seconds taken (the slowest rank's,
+        from posting to done, as the rank measured it). Heartbeats keep the lease while
+        waiting. Raises TransferFailed (the slot stays FILLING until released)."""
         ranks, rid = self.instance.ranks, ticket.request_id
         heartbeat_every = max(0.2, (ticket.lease_deadline - time.time()) / 3)
         begin = last_beat = time.perf_counter()
-        status = "failed: not started"
+        status, seconds = "failed: not started", 0.0
         try:
             ranks.call("transfer_start", rid, peer.instance_id, reads.per_rank, slot, blocks,
                        self.transfer_deadline_s)  # fmt: skip
             while True:
-                states = ranks.call("transfer_poll", rid)
+                polled = ranks.call("transfer_poll", rid)
+                states = [state for state, _ in polled]
                 failed = [f"rank {r}: {s}" for r, s in enumerate(states) if s.startswith("failed")]
                 if failed:
                     status = "; ".join(failed)
                     break
                 if all(s == "done" for s in states):
-                    status = "done"
+                    status, seconds = "done", max(s for _, s in polled)
                     break
                 if time.perf_counter() - last_beat > heartbeat_every:
                     peer.client.heartbeat(rid, self.instance_id)
                     last_beat = time.perf_counter()
                 time.sleep(POLL_INTERVAL_S)
         finally:
-            seconds = time.perf_counter() - begin
+            seconds = seconds or time.perf_counter() - begin
             try:
                 ranks.call("transfer_end", rid)
             except (RankCommandError, ControlError) as exc:

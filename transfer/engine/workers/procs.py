@@ -128,6 +128,22 @@ def wait_ready(procs: list[ServeProcess], timeout_s: float) -> None:
         time.sleep(0.05)
 
 
+def check_health(procs: list[ServeProcess], timeout_s: float) -> None:
+    """Every process answers the gRPC health check with SERVING (RuntimeError otherwise)."""
+    from transfer.control.client import TransferClient
+    from transfer.control.errors import ControlError
+
+    for proc in procs:
+        with TransferClient(proc.address, timeout_s=timeout_s) as client:
+            try:
+                client.wait_ready(timeout_s)
+                status = client.health()
+            except ControlError as exc:
+                status = str(exc)
+        if status != "SERVING":
+            raise RuntimeError(f"serve {proc.role} at {proc.address} is not serving: {status}")
+
+
 def _signal_group(proc: ServeProcess, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, sig)  # the session leader's pid is its group id

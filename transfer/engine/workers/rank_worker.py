@@ -16,17 +16,18 @@ import contextlib
 import json
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 
 import torch
 
 from transfer.cache.arena import Arena
 from transfer.cache.layout import Layout
-from transfer.dataplane import Op, RangeBatch, make_transport
+from transfer.dataplane import Op, RangeBatch, make_transport, wait
 from transfer.engine.caches import ArenaCaches
 from transfer.engine.runner import RankEngine
 from transfer.engine.verify import save_snapshot, snapshot_request
-from transfer.engine.workers.spec import WORKER_DTYPES, RankReads, RankSpec
+from transfer.engine.workers.spec import WARMUP_BYTES, WORKER_DTYPES, RankReads, RankSpec
 
 logger = logging.getLogger(__name__)
 
@@ -34,8 +35,10 @@ logger = logging.getLogger(__name__)
 @dataclass
 class _Transfer:
     slot: int
+    posted_at: float  # time.monotonic() on this rank
     handles: list[int] = field(default_factory=list)
     result: str = ""  # "" while pending, then "done" or "failed: ..."
+    seconds: float = 0.0  # from posting to the first poll that saw every READ done
 
 
 def build_rank_worker(spec: RankSpec, group) -> RankWorker:
@@ -44,7 +47,9 @@ def build_rank_worker(spec: RankSpec, group) -> RankWorker:
 
 
 def layout_for(spec: RankSpec) -> Layout:
-    return Layout.from_memplan(spec.geometry, spec.tp, spec.rank, spec.plan, WORKER_DTYPES)
+    return Layout.from_memplan(
+        spec.geometry, spec.tp, spec.rank, spec.plan, WORKER_DTYPES, staging_bytes=WARMUP_BYTES
+    )
 
 
 class RankWorker:
@@ -75,9 +80,18 @@ class RankWorker:
         """(transport metadata, layout as JSON bytes) of this rank."""
         return self.metadata, json.dumps(self.layout.to_dict()).encode()
 
-    def add_peers(self, instance: str, metadata: list[bytes]) -> None:
-        """Connect to every rank of prefill instance `instance` (again, after a restart)."""
-        self.peers[instance] = [self.transport.add_peer(m) for m in metadata]
+    def add_peers(self, instance: str, metadata: list[bytes], staging: list[int]) -> None:
+        """Connect to every rank of prefill instance `instance` (again, after a restart):
+        a small READ from each one's staging area (`staging`: arena offsets) sets up the
+        connection now rather than in the first request's transfer."""
+        peers = [self.transport.add_peer(m) for m in metadata]
+        local = self.layout.staging_offset
+        for peer, remote in zip(peers, staging, strict=True):
+            batch = RangeBatch.single(local, remote, WARMUP_BYTES)
+            status = wait(self.transport, self.transport.post(Op.READ, peer, batch, deadline_s=30))
+            if not status.done:
+                raise ConnectionError(f"prefill {instance} ({peer}) unreachable: {status.reason}")
+        self.peers[instance] = peers
 
     # -- prefill side ---------------------------------------------------------------------
 
@@ -113,7 +127,7 @@ class RankWorker:
         if instance not in self.peers:
             raise ValueError(f"instance {instance!r}: no handshake with it yet")
         self.engine.mark_filling(slot, block_ids)
-        transfer = _Transfer(slot)
+        transfer = _Transfer(slot, time.monotonic())
         self.transfers[request_id] = transfer
         peers = self.peers[instance]
         try:
@@ -125,22 +139,31 @@ class RankWorker:
             self.transfer_end(request_id)
             raise
 
-    def transfer_poll(self, request_id: str) -> str:
-        """ "pending", "done" (the slot is READY now) or "failed: <reason>"; a finished
-        transfer keeps answering the same until `transfer_end`."""
+    def transfer_poll(self, request_id: str) -> tuple[str, float]:
+        """("pending" | "done" | "failed: <reason>", seconds from posting to done). Once done
+        the slot is READY. A finished transfer keeps its answer until `transfer_end`."""
         transfer = self._transfer(request_id)
+        self._advance(transfer)
+        return transfer.result or "pending", transfer.seconds
+
+    def after_command(self) -> None:
+        """Run by the command loop after every command: notice finished transfers early."""
+        for transfer in self.transfers.values():
+            self._advance(transfer)
+
+    def _advance(self, transfer: _Transfer) -> None:
         if transfer.result:
-            return transfer.result
+            return
         statuses = [self.transport.poll(handle) for handle in transfer.handles]
         reasons = [s.reason for s in statuses if s.failed]
         if reasons:
             self._drop_handles(transfer)
             transfer.result = "failed: " + "; ".join(reasons)
         elif not any(s.pending for s in statuses):
+            transfer.seconds = time.monotonic() - transfer.posted_at
             self._drop_handles(transfer)
             self.engine.mark_ready(transfer.slot)
             transfer.result = "done"
-        return transfer.result or "pending"
 
     def transfer_end(self, request_id: str) -> None:
         """Forget a transfer, cancelling READs still in flight. A slot whose transfer did not

@@ -107,7 +107,10 @@ def rank_main(spec: Any, conn, build: str) -> None:
             worker = _resolve(build)(spec, group)
             ready: Any = None
         except Exception as exc:
-            worker, ready = None, RankFailure(spec.rank, type(exc).__name__, _describe(exc))
+            worker = None
+            ready = RankFailure(
+                spec.rank, type(exc).__name__, _describe(exc), isinstance(exc, ValueError)
+            )
         _serve_commands(spec.rank, group, conn, worker, ready)
     finally:
         group.close()
@@ -136,6 +139,12 @@ def _serve_commands(rank: int, group, conn, worker, ready) -> None:
                 result = RankFailure(
                     rank, type(exc).__name__, _describe(exc), isinstance(exc, ValueError)
                 )
+            after = getattr(worker, "after_command", None)
+            if after is not None:
+                try:
+                    after()
+                except Exception:
+                    logger.error("after_command failed:\n%s", traceback.format_exc())
             results = _gather(group, result)
             if conn is not None:
                 conn.send(results)

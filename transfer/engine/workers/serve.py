@@ -121,6 +121,11 @@ def _announce(role: str, server, metrics_server) -> None:
     logger.info("serving on %s (metrics port %s)", server.address, port or "off")
 
 
+def _threads(args) -> int:
+    """gRPC handler threads: a streaming call holds one for its whole life."""
+    return max(16, 2 * args.max_seqs + 8)
+
+
 def _metrics(args, metrics):
     if not args.metrics_port:
         return None
@@ -131,7 +136,11 @@ def _serve_router(args, token, server_tls, client_tls, stop: threading.Event) ->
     metrics = RouterMetrics()
     router = Router(args.prefill, args.decode, ClientOptions(token, client_tls), metrics)
     server = serve_control(
-        join_address(args.host, args.port), generate=router.generate, token=token, tls=server_tls
+        join_address(args.host, args.port),
+        generate=router.generate,
+        token=token,
+        tls=server_tls,
+        max_workers=_threads(args),
     )
     metrics_server = _metrics(args, metrics)
     _announce("router", server, metrics_server)
@@ -175,9 +184,16 @@ def _serve_worker(args, token, server_tls, client_tls, stop: threading.Event) ->
     from transfer.engine.workers.decode import DecodeWorker
     from transfer.engine.workers.instance import Instance
     from transfer.engine.workers.prefill import PrefillWorker
+    from transfer.engine.workers.ranks import RankCommandError
 
     config = instance_config(args)
-    instance = Instance(config)
+    try:
+        instance = Instance(config)
+    except RankCommandError as exc:  # bad input (a ValueError) still exits 2 with its message
+        if isinstance(exc, ValueError):
+            raise
+        logger.error("the TP ranks failed to start: %s", exc)
+        return 1
     if not config.is_leader:
         logger.info("node %d of %d: serving TP ranks only", config.node_rank, config.nnodes)
         return _wait(stop, instance, server=None, closers=[])
@@ -204,12 +220,15 @@ def _serve_worker(args, token, server_tls, client_tls, stop: threading.Event) ->
                 prefill=worker.prefill,
                 token=token,
                 tls=server_tls,
+                max_workers=_threads(args),
             )
             worker.start()
         else:
             options = ClientOptions(token, client_tls)
             worker = DecodeWorker(instance, instance_id, options, metrics)
-            server = serve_control(bind, decode=worker.decode, token=token, tls=server_tls)
+            server = serve_control(
+                bind, decode=worker.decode, token=token, tls=server_tls, max_workers=_threads(args)
+            )
         closers.append(worker.close)
         metrics_server = _metrics(args, metrics)
         if metrics_server:

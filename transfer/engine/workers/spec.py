@@ -12,6 +12,9 @@ from transfer.sizing import CacheDtypes
 
 # fp32 caches: the colocated reference keeps fp32 too, so tokens match exactly.
 WORKER_DTYPES = CacheDtypes(kv=4, ssm=4, conv=4)
+# A decode rank READs this much from each prefill rank's staging area at handshake, so
+# connection setup is not charged to the first request's transfer.
+WARMUP_BYTES = 64
 
 
 @dataclass(frozen=True)
@@ -44,7 +47,7 @@ class RankReads:
 
     batches: tuple[
         tuple[int, np.ndarray, np.ndarray, np.ndarray], ...
-    ]  # (p_rank, local, remote, nbytes)
+    ]  # p_rank, local, remote, nbytes
 
     @property
     def descriptors(self) -> int:

@@ -1,0 +1,124 @@
+"""Worker configuration without processes: block sizes both sides agree on, serve flags,
+router addresses, and the launch summary."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from transfer.cli import build_parser
+from transfer.cli.launch_report import format_table, summarize
+from transfer.cli.launch_run import Outcome
+from transfer.engine.router import Router, join_address, resolve, split_address
+from transfer.engine.workers.instance import InstanceConfig, plan_for
+from transfer.engine.workers.serve import auth_token, instance_config, interface_of, tls_configs
+from transfer.presets import get_preset
+
+
+@pytest.mark.parametrize("model", ["tiny-qwen3-next", "tiny-kimi-linear", "tiny-nemotron-h"])
+def test_every_tp_plans_the_same_block_size(model):
+    """A prefill and a decode instance of any TP can hand over: same block size."""
+    geometry = get_preset(model)
+    plans = [
+        plan_for(InstanceConfig(role, geometry, tp, budget_bytes=64 << 20, max_seqs=4))
+        for role in ("prefill", "decode")
+        for tp in geometry.valid_tps()
+    ]
+    assert len({p.block_size for p in plans}) == 1
+    assert all(p.num_kv_blocks > 0 and p.num_state_slots == 4 for p in plans)
+
+
+def test_instance_config_rejects_bad_tp_and_multinode_without_rendezvous():
+    geometry = get_preset("tiny-kimi-linear")
+    with pytest.raises(ValueError, match="tp=3 does not divide"):
+        InstanceConfig("decode", geometry, 3)
+    with pytest.raises(ValueError, match="--dist-addr"):
+        InstanceConfig("decode", geometry, 2, nnodes=2)
+    with pytest.raises(ValueError, match="--nnodes 4 must divide --tp 2"):
+        InstanceConfig("decode", geometry, 2, nnodes=4, dist_addr="10.0.0.1:29500")
+
+
+def serve_args(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(["serve", *argv])
+
+
+def test_serve_flags_reach_the_instance(tmp_path):
+    args = serve_args(
+        "decode", "--model", "tiny-kimi-linear", "--tp", "2", "--gpu-mem", "32MiB",
+        "--max-seqs", "3", "--block-size", "32", "--seed", "7", "--transport", "ucx",
+        "--nnodes", "2", "--node-rank", "1", "--dist-addr", "10.1.2.3:29500",
+        "--data-host", "127.0.0.1", "--dump-dir", str(tmp_path),
+    )  # fmt: skip
+    config = instance_config(args)
+    assert (config.tp, config.budget_bytes, config.max_seqs, config.min_block_size) == (
+        2,
+        32 << 20,
+        3,
+        32,
+    )
+    assert (config.seed, config.transport, config.dump_dir) == (7, "ucx", str(tmp_path))
+    assert (config.nnodes, config.node_rank, config.dist_addr) == (2, 1, "10.1.2.3:29500")
+    assert config.net_device == "lo" and not config.is_leader
+
+
+def test_auth_token_from_file_then_environment(tmp_path, monkeypatch):
+    monkeypatch.delenv("PDXFER_AUTH_TOKEN", raising=False)
+    monkeypatch.delenv("PDXFER_AUTH_TOKEN_FILE", raising=False)
+    assert auth_token(serve_args("router")) is None
+    monkeypatch.setenv("PDXFER_AUTH_TOKEN", "from-env")
+    assert auth_token(serve_args("router")) == "from-env"
+    (tmp_path / "t").write_text("from-file\n")
+    assert auth_token(serve_args("router", "--auth-token-file", str(tmp_path / "t"))) == "from-file"
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(ValueError, match="empty"):
+        auth_token(serve_args("router", "--auth-token-file", str(tmp_path / "empty")))
+
+
+def test_tls_flags_come_in_pairs():
+    with pytest.raises(ValueError, match="--tls-cert and --tls-key"):
+        tls_configs(serve_args("router", "--tls-cert", "c.pem"))
+    assert tls_configs(serve_args("router")) == (None, None)
+
+
+def test_interface_lookup():
+    assert interface_of("127.0.0.1") == "lo"
+    assert interface_of("0.0.0.0") is None
+    with pytest.raises(ValueError, match="no local interface"):
+        interface_of("192.0.2.77")  # TEST-NET-1, never configured
+
+
+def test_router_addresses():
+    assert split_address("[::1]:50051") == ("::1", 50051)
+    assert join_address("::1", 5) == "[::1]:5" and join_address("10.0.0.1", 5) == "10.0.0.1:5"
+    for bad in ("nohost", "host:", "host:0", "host:99999", ":80"):
+        with pytest.raises(ValueError, match="HOST:PORT"):
+            split_address(bad)
+    assert resolve("127.0.0.1:7") == ["127.0.0.1:7"]
+    assert "127.0.0.1:7" in resolve("localhost:7")
+    with pytest.raises(ValueError, match="--prefill"):
+        Router([], ["127.0.0.1:1"])
+    with pytest.raises(ValueError, match="--decode"):
+        Router(["127.0.0.1:1"], [])
+
+
+def test_summary_percentiles_and_table():
+    args = argparse.Namespace(
+        model="tiny-qwen3-next", hf_config=None, transport="nixl", prefill_tp=2, decode_tp=1,
+        verify=True, prompt_len=8, max_tokens=2,
+    )  # fmt: skip
+    outcomes = [
+        Outcome(f"req-{i}", [1], tokens=[3, 4], ttft_ms=10.0 * (i + 1), transfer_ms=1.0 * (i + 1),
+                kv_bytes=100, state_bytes=50, descriptors=3, wall_s=0.5)
+        for i in range(3)
+    ]  # fmt: skip
+    outcomes.append(Outcome("req-bad", [1], error="UNAVAILABLE: boom", wall_s=1.0))
+    outcomes[1].problems.append("tokens differ")
+    summary = summarize(outcomes, args)
+    assert summary["ttft_ms"] == {"p50": 20.0, "p99": 29.8}
+    assert summary["transfer_ms"] == {"p50": 2.0, "p99": 2.98}
+    assert (summary["requests"], summary["verified"], summary["failed"]) == (4, 2, 2)
+    assert (summary["kv_bytes"], summary["state_bytes"], summary["descriptors"]) == (300, 150, 9)
+    table = format_table(outcomes, summary)
+    assert "req-1" in table and "FAIL" in table and "ERROR" in table
+    assert "req-bad: UNAVAILABLE: boom" in table and "req-1: tokens differ" in table

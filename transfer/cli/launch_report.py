@@ -1,0 +1,86 @@
+"""The output of `pdxfer launch`: the per-request table and the `--json` document."""
+
+from __future__ import annotations
+
+import argparse
+
+from transfer.cli.launch_run import Outcome
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"p50": 0.0, "p99": 0.0}
+    ordered = sorted(values)
+
+    def pick(q: float) -> float:
+        pos = q * (len(ordered) - 1)
+        lo = int(pos)
+        hi = min(lo + 1, len(ordered) - 1)
+        return round(ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo), 3)
+
+    return {"p50": pick(0.5), "p99": pick(0.99)}
+
+
+def summarize(outcomes: list[Outcome], args: argparse.Namespace) -> dict:
+    """The `--json` document. Byte and descriptor counts are totals over the requests."""
+    good = [o for o in outcomes if not o.error]
+    return {
+        "model": args.model or args.hf_config,
+        "transport": args.transport,
+        "prefill_tp": args.prefill_tp,
+        "decode_tp": args.decode_tp,
+        "requests": len(outcomes),
+        "verify": bool(args.verify),
+        "verified": sum(o.ok for o in outcomes) if args.verify else 0,
+        "failed": sum(not o.ok for o in outcomes),
+        "prompt_len": args.prompt_len,
+        "max_tokens": args.max_tokens,
+        "kv_bytes": sum(o.kv_bytes for o in good),
+        "state_bytes": sum(o.state_bytes for o in good),
+        "descriptors": sum(o.descriptors for o in good),
+        "ttft_ms": percentiles([o.ttft_ms for o in good]),
+        "transfer_ms": percentiles([o.transfer_ms for o in good]),
+        "tokens_per_s": percentiles([o.tokens_per_s for o in good]),
+        "per_request": [
+            {
+                "request_id": o.request_id,
+                "tokens": len(o.tokens),
+                "ttft_ms": round(o.ttft_ms, 3),
+                "transfer_ms": round(o.transfer_ms, 3),
+                "kv_bytes": o.kv_bytes,
+                "state_bytes": o.state_bytes,
+                "descriptors": o.descriptors,
+                "tokens_per_s": round(o.tokens_per_s, 2),
+                "error": o.error,
+                "problems": o.problems,
+            }
+            for o in outcomes
+        ],
+    }
+
+
+def format_table(outcomes: list[Outcome], summary: dict) -> str:
+    header = ("request", "tokens", "ttft ms", "xfer ms", "kv bytes", "state bytes", "descr", "tok/s", "check")  # fmt: skip
+    rows = []
+    for o in outcomes:
+        check = "-" if not summary["verify"] else ("ok" if o.ok else "FAIL")
+        if o.error:
+            check = "ERROR"
+        rows.append((o.request_id, str(len(o.tokens)), f"{o.ttft_ms:.1f}", f"{o.transfer_ms:.2f}",
+                     str(o.kv_bytes), str(o.state_bytes), str(o.descriptors),
+                     f"{o.tokens_per_s:.1f}", check))  # fmt: skip
+    widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
+    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))) for r in (header, *rows)]  # fmt: skip
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    s = summary
+    lines.append(
+        f"\n{s['requests']} requests, {s['failed']} failed"
+        + (f", {s['verified']} verified" if s["verify"] else "")
+        + f" | {s['transport']} P={s['prefill_tp']} D={s['decode_tp']}"
+        + f" | ttft p50 {s['ttft_ms']['p50']:.1f} ms p99 {s['ttft_ms']['p99']:.1f} ms"
+        + f" | transfer p50 {s['transfer_ms']['p50']:.2f} ms p99 {s['transfer_ms']['p99']:.2f} ms"
+    )
+    for o in outcomes:
+        for problem in ([o.error] if o.error else []) + o.problems:
+            lines.append(f"{o.request_id}: {problem}")
+    return "\n".join(lines)
