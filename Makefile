@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: setup
-	$(VENV)/bin/pdxfer plan --model qwen3-next-80b-a3b --tp 1
+	$(VENV)/bin/pdxfer launch --model tiny-qwen3-next --prefill-tp 2 --decode-tp 1 --requests 4 --verify
 
 test: setup
 	sh deploy/tools/ensure-kubectl.sh

@@ -120,6 +120,7 @@ def serve(
     token: str | None = None,
     tls: TlsConfig | None = None,
     max_workers: int = 16,
+    health_only: bool = False,
 ) -> ControlServer:
     """Start a server on `address` ("host:port"; port 0 picks one) hosting the given services.
 
@@ -127,6 +128,7 @@ def serve(
     `decode`, `generate` host the worker and router services with dataclass
     handlers. `token` requires `authorization: Bearer <token>` on every call
     except health checks; `tls` serves TLS (mTLS when `tls.ca` is set).
+    `health_only` allows no other service (a follower node of a multi-node instance).
     """
     host, sep, port_text = address.rpartition(":")
     if not sep or not host or not port_text.isdigit():
@@ -153,7 +155,7 @@ def serve(
     if generate is not None:
         worker_pb2_grpc.add_RouterServiceServicer_to_server(RouterServicer(generate), server)
         services.append(ROUTER_SERVICE)
-    if not services:
+    if not services and not health_only:
         raise ValueError(
             "serve: no service to host (give store+identity, prefill, decode or generate)"
         )

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Iterator
 import grpc
 
 from transfer.control import convert
-from transfer.control.errors import CompatMismatch, status_code_name
+from transfer.control.errors import CompatMismatch, ControlError, status_code_name
 from transfer.control.gen import transfer_pb2, transfer_pb2_grpc, worker_pb2, worker_pb2_grpc
 from transfer.control.tickets import TicketStore
 from transfer.control.types import (
@@ -148,4 +148,6 @@ def _abort(context: grpc.ServicerContext, exc: Exception) -> None:
     code = status_code_name(exc)
     if code == "INTERNAL":
         logger.exception("control-plane call failed")
-    context.abort(getattr(grpc.StatusCode, code), str(exc) or type(exc).__name__)
+    # A ControlError passed on from another server already carries its code: keep only details.
+    message = exc.details if isinstance(exc, ControlError) else str(exc)
+    context.abort(getattr(grpc.StatusCode, code), message or type(exc).__name__)

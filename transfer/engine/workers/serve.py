@@ -195,8 +195,7 @@ def _serve_worker(args, token, server_tls, client_tls, stop: threading.Event) ->
         logger.error("the TP ranks failed to start: %s", exc)
         return 1
     if not config.is_leader:
-        logger.info("node %d of %d: serving TP ranks only", config.node_rank, config.nnodes)
-        return _wait(stop, instance, server=None, closers=[])
+        return _serve_follower(args, config, instance, token, server_tls, stop)
     metrics = WorkerMetrics()
     metrics.track_pools(
         kv_blocks_free=lambda: instance.pools.blocks.num_free,
@@ -240,6 +239,27 @@ def _serve_worker(args, token, server_tls, client_tls, stop: threading.Event) ->
         instance.close()
         raise
     return _wait(stop, instance, server, closers)
+
+
+def _serve_follower(args, config, instance, token, server_tls, stop: threading.Event) -> int:
+    """A node rank > 0 runs only its TP ranks, which follow the leader's; it still answers
+    gRPC health and serves /metrics so that the same probes work on every pod."""
+    logger.info("node %d of %d: serving TP ranks only", config.node_rank, config.nnodes)
+    closers = []
+    try:
+        server = serve_control(
+            join_address(args.host, args.port), token=token, tls=server_tls, health_only=True
+        )
+        metrics_server = _metrics(args, WorkerMetrics())
+        if metrics_server:
+            closers.append(metrics_server.stop)
+        _announce(args.role, server, metrics_server)
+    except BaseException:
+        for close in closers:
+            close()
+        instance.close()
+        raise
+    return _wait(stop, instance, server=server, closers=closers)
 
 
 def _wait(stop: threading.Event, instance, server, closers) -> int:
