@@ -217,28 +217,67 @@ def test_no_step_touches_a_slot_while_a_transfer_fills_it(cluster, spare):
             os.kill(rank, signal.SIGCONT)
 
 
-def test_an_unfinished_transfer_never_becomes_readable(cluster):
-    """Cancelling a transfer leaves its slot FILLING until released, then FREE: no step
-    ever reads half-written bytes. The prefill side frees on Abort."""
-    prefill, decode, _ = cluster
-    ids, ranks = prompt(4), decode.instance.ranks
-    ticket = prefill.worker.prefill(PrefillRequest("cancelled", tuple(ids), MAX_TOKENS))
+def test_an_unfinished_transfer_never_becomes_readable(cluster, spare):
+    """Cancelling a transfer in flight leaves its slot FILLING until released, then FREE: no
+    step ever reads half-written bytes; its READ is reported unsettled until it can no
+    longer land. The prefill side frees on Abort."""
+    _, decode, _ = cluster
+    stalled, ranks = spare, decode.instance.ranks
+    rank = stalled.instance.ranks.procs[0].pid
+    ids = prompt(4)
+    ticket = stalled.worker.prefill(PrefillRequest("cancelled", tuple(ids), MAX_TOKENS))
     peer = decode.worker.peer(ticket.address)
     ticket = peer.client.acquire("cancelled", decode.worker.instance_id)
     cache = decode.instance.pools.allocate("cancelled", len(ids))
     blocks, slot = list(cache.block_ids), cache.slot_ids[0]
     reads = plan_reads(peer, decode.instance.layouts, ticket, blocks, slot)
-    ranks.call("transfer_start", "cancelled", peer.instance_id, reads.per_rank, slot, blocks, 30.0)
-    ranks.call("transfer_end", "cancelled")
-    with pytest.raises(RankCommandError) as filling:
-        ranks.call("decode_step", ticket.first_token, len(ids), blocks, slot)
-    assert filling.value.kind == "CacheFillingError"
+    os.kill(rank, signal.SIGSTOP)
+    try:
+        ranks.call("transfer_start", "cancelled", peer.instance_id, reads.per_rank, slot, blocks, 30.0)  # fmt: skip
+        assert ranks.call("transfer_end", "cancelled") == [False]  # still in flight
+        with pytest.raises(RankCommandError) as filling:
+            ranks.call("decode_step", ticket.first_token, len(ids), blocks, slot)
+        assert filling.value.kind == "CacheFillingError"
+    finally:
+        os.kill(rank, signal.SIGCONT)
+    deadline = time.monotonic() + 30
+    while ranks.call("transfer_settled", "cancelled") != [True]:
+        assert time.monotonic() < deadline, "the cancelled READ never settled"
+        time.sleep(0.05)
     ranks.call("release", slot)
     decode.instance.pools.free("cancelled")
     with pytest.raises(ValueError, match="holds no request state"):
         ranks.call("decode_step", ticket.first_token, len(ids), blocks, slot)
     peer.client.abort("cancelled", "test")
-    assert_idle(prefill, decode)
+    assert_idle(decode, stalled)
+
+
+def test_a_failed_read_that_may_still_land_holds_the_cache_until_settled(cluster, spare):
+    """Bug 6 from the transport's side: NIXL cannot cancel a READ in flight, so when one
+    fails at its deadline while the stopped peer may still answer, the decode blocks and
+    slot stay out of the pools until the READ settles, then return."""
+    _, decode, _ = cluster
+    stalled = spare
+    rank = stalled.instance.ranks.procs[0].pid
+    ticket = stalled.worker.prefill(PrefillRequest("unsettled", tuple(prompt(7)), MAX_TOKENS))
+    decode.worker.peer(ticket.address)  # handshake while it runs
+    os.kill(rank, signal.SIGSTOP)
+    try:
+        decode.worker.transfer_deadline_s = 1.0
+        with pytest.raises(ControlError) as failed:
+            list(decode.worker.decode(DecodeRequest(ticket, MAX_TOKENS)))
+        assert failed.value.code == "UNAVAILABLE" and not failed.value.settled
+        assert decode.worker.held_requests() == ["unsettled"]
+        pools = decode.instance.pools
+        assert pools.slots.num_free == pools.slots.num_total - 1
+    finally:
+        decode.worker.transfer_deadline_s = 60.0
+        os.kill(rank, signal.SIGCONT)
+    deadline = time.monotonic() + 30
+    while decode.worker.held_requests():
+        assert time.monotonic() < deadline, "the held cache was never freed"
+        time.sleep(0.1)
+    assert_idle(stalled, decode)
 
 
 def test_dead_prefill_ranks_fail_the_transfer_and_free_both_sides(cluster, spare):

@@ -79,6 +79,10 @@ def _pairs(results: Sequence[dict]) -> list[tuple[int, int]]:
     return sorted({(r["prefill_tp"], r["decode_tp"]) for r in results})
 
 
+def _tokens_label(tokens: int) -> str:
+    return f"{tokens // 1024}k" if tokens % 1024 == 0 else str(tokens)
+
+
 def plot(report: dict, path: str) -> None:
     """Three panels against tokens: throughput (ours, raw, naive), descriptors (ours,
     naive), efficiency (with the goals)."""
@@ -88,6 +92,7 @@ def plot(report: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     results = report["results"]
+    ticks = sorted({r["tokens"] for r in results})
     fig, (speed, descs, eff) = plt.subplots(1, 3, figsize=(15, 4.6))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, (p, d) in enumerate(_pairs(results)):
@@ -121,6 +126,8 @@ def plot(report: dict, path: str) -> None:
         (eff, "efficiency = ours / raw (goals 0.9, hetero 0.8)", "efficiency"),
     ):
         ax.set_xscale("log", base=2)
+        ax.set_xticks(ticks, [_tokens_label(t) for t in ticks])
+        ax.minorticks_off()
         ax.set_xlabel("tokens")
         ax.set_ylabel(ylabel)
         ax.set_title(title, fontsize=10)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import ast
 import re
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -52,10 +53,11 @@ def proto_files() -> list[Path]:
 
 def generate(out_dir: Path) -> list[Path]:
     """Run protoc on every proto file and write the fixed-up modules into `out_dir`."""
-    from grpc_tools import protoc  # build-time dependency only
-
     with tempfile.TemporaryDirectory() as tmp:
+        # protoc runs in a child process: loaded in-process beside torch/ucxx it can crash.
         args = [
+            sys.executable,
+            "-m",
             "grpc_tools.protoc",
             f"-I{PROTO_ROOT}",
             f"-I{_well_known_protos()}",
@@ -64,8 +66,9 @@ def generate(out_dir: Path) -> list[Path]:
             f"--grpc_python_out={tmp}",
             *(str(p) for p in proto_files()),
         ]
-        if protoc.main(args) != 0:
-            raise RuntimeError(f"protoc failed: {' '.join(args)}")
+        result = subprocess.run(args, capture_output=True, text=True, timeout=120)
+        if result.returncode != 0:
+            raise RuntimeError(f"protoc failed: {' '.join(args)}\n{result.stderr}")
         out_dir.mkdir(parents=True, exist_ok=True)
         for stale in out_dir.glob("*_pb2*.py*"):
             stale.unlink()

@@ -103,7 +103,7 @@ class UcxServer:
             except Exception:  # the server must outlive any one bad peer
                 log.exception("ucx server step failed")
                 busy = False
-            sleep = BUSY_SLEEP_S if busy or self._jobs else min(sleep * 2, IDLE_SLEEP_S)
+            sleep = BUSY_SLEEP_S if busy else min(sleep * 2, IDLE_SLEEP_S)
             time.sleep(sleep)
 
     def _accept(self) -> bool:

@@ -31,6 +31,7 @@ from transfer.packer import StagingPolicy, TransferRequest, plan_transfer
 logger = logging.getLogger(__name__)
 
 POLL_INTERVAL_S = 0.0005
+SETTLE_POLL_S = 0.5  # how often held caches of failed transfers are checked
 
 
 @dataclass(frozen=True)
@@ -82,8 +83,11 @@ def plan_reads(peer: Peer, local: tuple[Layout, ...], ticket: Ticket, blocks, sl
 
 
 class TransferFailed(ControlError):
-    def __init__(self, details: str):
+    """`settled` is False while some READ of the failed transfer may still land."""
+
+    def __init__(self, details: str, settled: bool = True):
         super().__init__("UNAVAILABLE", details)
+        self.settled = settled
 
 
 class DecodeWorker:
@@ -104,6 +108,11 @@ class DecodeWorker:
         self.transfer_deadline_s = transfer_deadline_s
         self._peers: dict[str, Peer] = {}
         self._peer_lock = threading.Lock()
+        # request id -> slot whose blocks a failed READ may still write: freed once settled.
+        self._quarantine: dict[str, int] = {}
+        self._quarantine_lock = threading.Lock()
+        self._closed = threading.Event()
+        self._reaper: threading.Thread | None = None
 
     # -- handshake ------------------------------------------------------------------------
 
@@ -169,10 +178,15 @@ class DecodeWorker:
             raise
         blocks, slot = list(cache.block_ids), cache.slot_ids[0]
         released = False
+        settled = True
         try:
             prompt_blocks = blocks[: self.instance.layouts[0].blocks_for(ticket.num_tokens)]
             reads = plan_reads(peer, self.instance.layouts, ticket, prompt_blocks, slot)
-            transfer_s = self._transfer(peer, ticket, reads, prompt_blocks, slot)
+            try:
+                transfer_s = self._transfer(peer, ticket, reads, prompt_blocks, slot)
+            except TransferFailed as exc:
+                settled = exc.settled
+                raise
             if self.instance.config.dump_dir:
                 ranks.call("snapshot", rid, "decode", blocks, slot, ticket.num_tokens)
             peer.client.release(rid, self.instance_id, ticket.block_ids, ticket.slot_id)
@@ -196,11 +210,47 @@ class DecodeWorker:
         finally:
             if not released:
                 self._abort(peer, rid, f"decode {self.instance_id} dropped the request")
-            try:
-                ranks.call("release", slot)
-            except (RankCommandError, ControlError) as exc:
-                logger.warning("releasing slot %d of %r on the ranks: %s", slot, rid, exc)
-            pools.free(rid)
+            if settled:
+                self._free(rid, slot)
+            else:
+                self._hold_until_settled(rid, slot)
+
+    def _free(self, rid: str, slot: int) -> None:
+        try:
+            self.instance.ranks.call("release", slot)
+        except (RankCommandError, ControlError) as exc:
+            logger.warning("releasing slot %d of %r on the ranks: %s", slot, rid, exc)
+        self.instance.pools.free(rid)
+
+    def _hold_until_settled(self, rid: str, slot: int) -> None:
+        """Keep the blocks and slot of `rid` out of the pools until no READ can still land
+        in them (REFERENCE.md §5 bug 6, from the transport's side)."""
+        logger.warning("transfer of %r may still move bytes: holding its cache until settled", rid)
+        with self._quarantine_lock:
+            self._quarantine[rid] = slot
+            if self._reaper is None:
+                self._reaper = threading.Thread(target=self._reap, name="settle", daemon=True)
+                self._reaper.start()
+
+    def _reap(self) -> None:
+        while not self._closed.wait(SETTLE_POLL_S):
+            with self._quarantine_lock:
+                held = dict(self._quarantine)
+            for rid, slot in held.items():
+                try:
+                    settled = all(self.instance.ranks.call("transfer_settled", rid))
+                except (RankCommandError, ControlError) as exc:
+                    logger.warning("polling the held transfer %r: %s", rid, exc)
+                    continue
+                if settled:
+                    with self._quarantine_lock:
+                        del self._quarantine[rid]
+                    self._free(rid, slot)
+
+    def held_requests(self) -> list[str]:
+        """Requests whose cache is held until their failed READs settle."""
+        with self._quarantine_lock:
+            return sorted(self._quarantine)
 
     def _transfer(self, peer: Peer, ticket: Ticket, reads: Reads, blocks, slot: int) -> float:
         """Post every rank's READs and poll them to DONE; seconds taken (the slowest rank's,
@@ -210,6 +260,7 @@ class DecodeWorker:
         heartbeat_every = max(0.2, (ticket.lease_deadline - time.time()) / 3)
         begin = last_beat = time.perf_counter()
         status, seconds = "failed: not started", 0.0
+        settled = True
         try:
             ranks.call("transfer_start", rid, peer.instance_id, reads.per_rank, slot, blocks,
                        self.transfer_deadline_s)  # fmt: skip
@@ -230,7 +281,7 @@ class DecodeWorker:
         finally:
             seconds = seconds or time.perf_counter() - begin
             try:
-                ranks.call("transfer_end", rid)
+                settled = all(ranks.call("transfer_end", rid))
             except (RankCommandError, ControlError) as exc:
                 logger.warning("ending transfer of %r: %s", rid, exc)
             if self.metrics is not None:
@@ -241,7 +292,9 @@ class DecodeWorker:
                 )
         if status != "done":
             self.forget(peer.address)
-            raise TransferFailed(f"transfer of {rid!r} from {peer.instance_id} failed: {status}")
+            raise TransferFailed(
+                f"transfer of {rid!r} from {peer.instance_id} failed: {status}", settled
+            )
         return seconds
 
     def _abort(self, peer: Peer, request_id: str, reason: str) -> None:
@@ -251,6 +304,7 @@ class DecodeWorker:
             logger.info("abort of %r at %s: %s", request_id, peer.address, exc)
 
     def close(self) -> None:
+        self._closed.set()
         with self._peer_lock:
             for peer in self._peers.values():
                 peer.client.close()

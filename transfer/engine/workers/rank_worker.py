@@ -73,6 +73,8 @@ class RankWorker:
         self.metadata = self.transport.register(self.arena.buffer)
         self.peers: dict[str, list[str]] = {}  # prefill instance -> peer name of each rank
         self.transfers: dict[str, _Transfer] = {}
+        # READs of failed or abandoned transfers that may still move bytes (see settled).
+        self.unsettled: dict[str, list[int]] = {}
 
     # -- handshake ------------------------------------------------------------------------
 
@@ -157,7 +159,7 @@ class RankWorker:
         statuses = [self.transport.poll(handle) for handle in transfer.handles]
         reasons = [s.reason for s in statuses if s.failed]
         if reasons:
-            self._drop_handles(transfer)
+            # Handles stay: a failed READ may still land (NIXL cannot cancel one in flight).
             transfer.result = "failed: " + "; ".join(reasons)
         elif not any(s.pending for s in statuses):
             transfer.seconds = time.monotonic() - transfer.posted_at
@@ -165,12 +167,29 @@ class RankWorker:
             self.engine.mark_ready(transfer.slot)
             transfer.result = "done"
 
-    def transfer_end(self, request_id: str) -> None:
-        """Forget a transfer, cancelling READs still in flight. A slot whose transfer did not
-        finish stays FILLING until `release`, so nothing reads half-written bytes."""
+    def transfer_end(self, request_id: str) -> bool:
+        """Forget a transfer. True when none of its READs can still move bytes, so its slot
+        and blocks may be reused; otherwise keep polling with `transfer_settled`. A slot
+        whose transfer did not finish stays FILLING until `release`."""
         transfer = self.transfers.pop(request_id, None)
-        if transfer is not None:
-            self._drop_handles(transfer)
+        if transfer is not None and transfer.handles:
+            self.unsettled[request_id] = list(transfer.handles)
+            transfer.handles.clear()
+        return self.transfer_settled(request_id)
+
+    def transfer_settled(self, request_id: str) -> bool:
+        """Release the request's READs that can no longer move bytes; True when none remain."""
+        remaining = []
+        for handle in self.unsettled.pop(request_id, []):
+            status = self.transport.poll(handle)
+            if status.pending or not status.settled:
+                remaining.append(handle)
+            else:
+                with contextlib.suppress(ValueError):
+                    self.transport.release(handle)
+        if remaining:
+            self.unsettled[request_id] = remaining
+        return not remaining
 
     def _drop_handles(self, transfer: _Transfer) -> None:
         for handle in transfer.handles:
@@ -190,4 +209,5 @@ class RankWorker:
     def close(self) -> None:
         for request_id in list(self.transfers):
             self.transfer_end(request_id)
+        self.unsettled.clear()  # closing the transport ends whatever still moves
         self.transport.close()
