@@ -27,11 +27,11 @@ test-fast: setup
 	$(PY) -m pytest -q -m "not slow"
 
 lint: setup
-	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff format --check transfer kernels tests
 	$(VENV)/bin/ruff check .
 
 format: setup
-	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff format transfer kernels tests
 	$(VENV)/bin/ruff check --fix .
 
 proto: setup

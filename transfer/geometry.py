@@ -130,7 +130,9 @@ class MLASpec:
     kind = LayerKind.MLA
 
     def cache_tensors(self) -> tuple[CacheTensor, ...]:
-        latent = Segment("latent", 1, self.kv_lora_rank + self.qk_rope_head_dim, Sharding.REPLICATED)
+        latent = Segment(
+            "latent", 1, self.kv_lora_rank + self.qk_rope_head_dim, Sharding.REPLICATED
+        )
         return (CacheTensor("kv", Role.KV, (latent,)),)
 
     def compute_segments(self) -> tuple[Segment, ...]:

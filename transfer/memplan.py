@@ -57,7 +57,9 @@ class MemoryPlan:
 
     @property
     def used_bytes(self) -> int:
-        return self.num_kv_blocks * self.kv_block_bytes + self.num_state_slots * self.state_slot_bytes
+        return (
+            self.num_kv_blocks * self.kv_block_bytes + self.num_state_slots * self.state_slot_bytes
+        )
 
     @property
     def padding_pct(self) -> float:
@@ -119,7 +121,9 @@ def plan_memory(
     geometry.check_tp(tp)
 
     linear = [linear_state_bytes(layer, tp, dtypes).total for layer in geometry.linear_layers]
-    attention = [attention_kv_bytes_per_token(layer, tp, dtypes) for layer in geometry.attention_layers]
+    attention = [
+        attention_kv_bytes_per_token(layer, tp, dtypes) for layer in geometry.attention_layers
+    ]
     if placement is StatePlacement.PER_REQUEST:
         state_page = sum(linear)
         kv_per_token = sum(attention)

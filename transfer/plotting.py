@@ -5,7 +5,9 @@ from __future__ import annotations
 from transfer.sizing import ModelSizing
 
 
-def plot_crossover(model: str, sizing: ModelSizing, path: str, max_tokens: int | None = None) -> None:
+def plot_crossover(
+    model: str, sizing: ModelSizing, path: str, max_tokens: int | None = None
+) -> None:
     """Cache bytes of one request against sequence length: one linear layer, one attention
     layer and the whole model, with the crossover marked."""
     import matplotlib
@@ -24,11 +26,19 @@ def plot_crossover(model: str, sizing: ModelSizing, path: str, max_tokens: int |
         kv = sizing.attention_layer_kv_per_token
         ax.plot(lengths, [n * kv / 2**20 for n in lengths], label="one attention layer (KV)")
     ax.plot(
-        lengths, [sizing.request_bytes(n) / 2**20 for n in lengths], label="whole model", linestyle="--"
+        lengths,
+        [sizing.request_bytes(n) / 2**20 for n in lengths],
+        label="whole model",
+        linestyle="--",
     )
     if crossover:
         ax.axvline(crossover, color="grey", linestyle=":")
-        ax.annotate(f"crossover {crossover} tokens", (crossover, sizing.request_bytes(crossover) / 2**20), textcoords="offset points", xytext=(5, 10))
+        ax.annotate(
+            f"crossover {crossover} tokens",
+            (crossover, sizing.request_bytes(crossover) / 2**20),
+            textcoords="offset points",
+            xytext=(5, 10),
+        )
     ax.set_yscale("log")
     ax.set_xlabel("sequence length (tokens)")
     ax.set_ylabel("cache bytes per request, one rank (MiB)")

@@ -116,7 +116,9 @@ class _Config:
             return default
         value = self.data[key]
         if kind is int and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ValueError(f"{self.source}: field {key!r} must be a positive integer, got {value!r}")
+            raise ValueError(
+                f"{self.source}: field {key!r} must be a positive integer, got {value!r}"
+            )
         if kind is not int and not isinstance(value, kind):
             raise ValueError(f"{self.source}: field {key!r} must be {kind.__name__}, got {value!r}")
         return value
@@ -158,7 +160,9 @@ def _kimi_from(cfg: _Config, name: str) -> ModelGeometry:
     num_layers = cfg.get("num_hidden_layers")
     linear = cfg.sub("linear_attn_config")
     full = linear.get("full_attn_layers", kind=list)
-    kda_layers = linear.get("kda_layers", [i for i in range(1, num_layers + 1) if i not in full], kind=list)
+    kda_layers = linear.get(
+        "kda_layers", [i for i in range(1, num_layers + 1) if i not in full], kind=list
+    )
     for field, values in (("full_attn_layers", full), ("kda_layers", kda_layers)):
         bad = [v for v in values if not isinstance(v, int) or not 1 <= v <= num_layers]
         if bad:
@@ -170,7 +174,9 @@ def _kimi_from(cfg: _Config, name: str) -> ModelGeometry:
             f"{linear.source}: fields 'full_attn_layers' and 'kda_layers' must partition "
             f"layers 1..{num_layers}"
         )
-    kda = KDASpec(linear.get("num_heads"), linear.get("head_dim"), linear.get("short_conv_kernel_size"))
+    kda = KDASpec(
+        linear.get("num_heads"), linear.get("head_dim"), linear.get("short_conv_kernel_size")
+    )
     mla = MLASpec(
         cfg.get("num_attention_heads"),
         cfg.get("kv_lora_rank"),

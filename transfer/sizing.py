@@ -59,9 +59,7 @@ def linear_state_bytes(layer: LayerSpec, tp: int, dtypes: CacheDtypes) -> Linear
 def attention_kv_bytes_per_token(layer: LayerSpec, tp: int, dtypes: CacheDtypes) -> int:
     """KV bytes per token of one attention layer on one rank (never below one whole head)."""
     layer.check_tp(tp)
-    return sum(
-        tensor_bytes(t, tp, dtypes) for t in layer.cache_tensors() if t.role is Role.KV
-    )
+    return sum(tensor_bytes(t, tp, dtypes) for t in layer.cache_tensors() if t.role is Role.KV)
 
 
 @dataclass(frozen=True)
@@ -94,7 +92,9 @@ def size_model(
         raise ValueError(f"spec_tokens must be >= 0, got {spec_tokens}")
     geometry.check_tp(tp)
     linear = [linear_state_bytes(layer, tp, dtypes) for layer in geometry.linear_layers]
-    attention = [attention_kv_bytes_per_token(layer, tp, dtypes) for layer in geometry.attention_layers]
+    attention = [
+        attention_kv_bytes_per_token(layer, tp, dtypes) for layer in geometry.attention_layers
+    ]
     per_slot = sum(s.total for s in linear)
     first_linear = linear[0] if linear else None
     first_attention = attention[0] if attention else None

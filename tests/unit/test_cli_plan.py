@@ -37,7 +37,22 @@ def test_hf_config_and_tp(capsys):
 
 def test_table_output_and_plot(capsys, tmp_path):
     plot = tmp_path / "crossover.png"
-    assert main(["plan", "--model", "tiny-kimi-linear", "--gpu-mem", "1GiB", "--max-seqs", "8", "--plot", str(plot)]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--model",
+                "tiny-kimi-linear",
+                "--gpu-mem",
+                "1GiB",
+                "--max-seqs",
+                "8",
+                "--plot",
+                str(plot),
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "crossover" in out and "padding waste" in out
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -47,7 +62,10 @@ def test_table_output_and_plot(capsys, tmp_path):
     "argv, message",
     [
         (["--model", "gpt-5"], "presets: qwen3-next-80b-a3b"),
-        (["--model", "tiny-qwen3-next", "--tp", "3"], "layer 0 (gdn): tp=3 does not divide the 4 k_heads"),
+        (
+            ["--model", "tiny-qwen3-next", "--tp", "3"],
+            "layer 0 (gdn): tp=3 does not divide the 4 k_heads",
+        ),
         (["--model", "tiny-qwen3-next", "--gpu-mem", "1MiB"], "missing"),
         (["--model", "tiny-qwen3-next", "--gpu-mem", "lots"], "--gpu-mem: cannot parse 'lots'"),
         (["--model", "tiny-qwen3-next", "--mem-fraction", "1.5"], "--mem-fraction"),

@@ -29,7 +29,9 @@ def test_presets_layer_mix(name, num_linear, num_attention, linear_kind, attenti
 
 def test_attention_positions_follow_each_family_rule():
     qwen = get_preset("qwen3-next-80b-a3b")
-    assert [layer.index for layer in qwen.attention_layers] == [i for i in range(48) if (i + 1) % 4 == 0]
+    assert [layer.index for layer in qwen.attention_layers] == [
+        i for i in range(48) if (i + 1) % 4 == 0
+    ]
     kimi = get_preset("kimi-linear-48b-a3b")
     assert [layer.index + 1 for layer in kimi.attention_layers] == [4, 8, 12, 16, 20, 24, 27]
     tiny_kimi = get_preset("tiny-kimi-linear")
@@ -42,7 +44,13 @@ def test_attention_positions_follow_each_family_rule():
 def test_tiny_qwen_dimensions_are_exact():
     geometry = get_preset("tiny-qwen3-next")
     gdn, gqa = geometry.layers[0].spec, geometry.layers[3].spec
-    assert (gdn.num_k_heads, gdn.num_v_heads, gdn.head_k_dim, gdn.head_v_dim, gdn.conv_kernel) == (4, 8, 32, 32, 4)
+    assert (gdn.num_k_heads, gdn.num_v_heads, gdn.head_k_dim, gdn.head_v_dim, gdn.conv_kernel) == (
+        4,
+        8,
+        32,
+        32,
+        4,
+    )
     assert (gqa.num_q_heads, gqa.num_kv_heads, gqa.head_dim) == (8, 2, 64)
     assert geometry.hidden_size == 256 and len(geometry.layers) == 8
 
@@ -70,12 +78,18 @@ def test_mla_latent_is_on_every_rank():
 
 
 def test_gdn_conv_is_three_sharded_segments():
-    conv = [t for t in get_preset("qwen3-next-80b-a3b").layers[0].cache_tensors() if t.role is Role.CONV]
+    conv = [
+        t for t in get_preset("qwen3-next-80b-a3b").layers[0].cache_tensors() if t.role is Role.CONV
+    ]
     (tensor,) = conv
     assert [s.name for s in tensor.segments] == ["q", "k", "v"]
     assert tensor.steps == 3
     # rank 1 of 4 holds key heads 4..7 of q and of k, and value heads 8..15 of v
-    assert [s.units_on_rank(4, 1) for s in tensor.segments] == [range(4, 8), range(4, 8), range(8, 16)]
+    assert [s.units_on_rank(4, 1) for s in tensor.segments] == [
+        range(4, 8),
+        range(4, 8),
+        range(8, 16),
+    ]
 
 
 def test_kda_has_four_state_tensors():
@@ -125,7 +139,12 @@ def test_hf_config_layer_types(tmp_path):
     data = json.loads((FIXTURES / "qwen3_next_config.json").read_text())
     del data["full_attention_interval"]
     data["num_hidden_layers"] = 4
-    data["layer_types"] = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
+    data["layer_types"] = [
+        "linear_attention",
+        "full_attention",
+        "linear_attention",
+        "full_attention",
+    ]
     path = tmp_path / "config.json"
     path.write_text(json.dumps(data))
     assert [layer.kind for layer in from_hf_config(path).layers] == [
@@ -139,14 +158,46 @@ def test_hf_config_layer_types(tmp_path):
 @pytest.mark.parametrize(
     "fixture, edit, message",
     [
-        ("qwen3_next_config.json", lambda d: d.pop("linear_num_value_heads"), "missing field 'linear_num_value_heads'"),
-        ("qwen3_next_config.json", lambda d: d.update(num_key_value_heads="2"), "field 'num_key_value_heads' must be a positive integer"),
-        ("qwen3_next_config.json", lambda d: d.update(layer_types=["full_attention"]), "field 'layer_types' has 1 entries"),
-        ("kimi_linear_config.json", lambda d: d["linear_attn_config"].update(full_attn_layers=[4, 28]), "field 'full_attn_layers' holds [28]"),
-        ("kimi_linear_config.json", lambda d: d["linear_attn_config"].pop("num_heads"), "linear_attn_config: missing field 'num_heads'"),
-        ("nemotron_h_config.json", lambda d: d.update(hybrid_override_pattern="M-X"), "unknown symbols ['X']"),
-        ("nemotron_h_config.json", lambda d: d.update(num_hidden_layers=61), "has 62 layers but num_hidden_layers is 61"),
-        ("nemotron_h_config.json", lambda d: d.pop("model_type") and d.pop("hybrid_override_pattern"), "field 'model_type'"),
+        (
+            "qwen3_next_config.json",
+            lambda d: d.pop("linear_num_value_heads"),
+            "missing field 'linear_num_value_heads'",
+        ),
+        (
+            "qwen3_next_config.json",
+            lambda d: d.update(num_key_value_heads="2"),
+            "field 'num_key_value_heads' must be a positive integer",
+        ),
+        (
+            "qwen3_next_config.json",
+            lambda d: d.update(layer_types=["full_attention"]),
+            "field 'layer_types' has 1 entries",
+        ),
+        (
+            "kimi_linear_config.json",
+            lambda d: d["linear_attn_config"].update(full_attn_layers=[4, 28]),
+            "field 'full_attn_layers' holds [28]",
+        ),
+        (
+            "kimi_linear_config.json",
+            lambda d: d["linear_attn_config"].pop("num_heads"),
+            "linear_attn_config: missing field 'num_heads'",
+        ),
+        (
+            "nemotron_h_config.json",
+            lambda d: d.update(hybrid_override_pattern="M-X"),
+            "unknown symbols ['X']",
+        ),
+        (
+            "nemotron_h_config.json",
+            lambda d: d.update(num_hidden_layers=61),
+            "has 62 layers but num_hidden_layers is 61",
+        ),
+        (
+            "nemotron_h_config.json",
+            lambda d: d.pop("model_type") and d.pop("hybrid_override_pattern"),
+            "field 'model_type'",
+        ),
     ],
 )
 def test_hf_config_errors_name_the_field(tmp_path, fixture, edit, message):

@@ -36,7 +36,9 @@ def test_plan_invariants(inputs):
         return
     # Never over budget, and the leftover cannot hold another block.
     assert plan.used_bytes <= plan.budget_bytes
-    assert plan.budget_bytes - plan.used_bytes < max(plan.kv_block_bytes, 1) or not plan.kv_block_bytes
+    assert (
+        plan.budget_bytes - plan.used_bytes < max(plan.kv_block_bytes, 1) or not plan.kv_block_bytes
+    )
     # One page size: both kinds of page fit in it, and the smaller was padded up to it.
     assert plan.page_bytes == max(plan.kv_page_bytes, plan.state_page_bytes)
     assert plan.block_size >= inputs["block_size"]
@@ -56,7 +58,9 @@ def test_seed_policy_is_never_further_from_state_page_than_vllm(inputs):
     inputs = dict(inputs, budget_bytes=2**50)
     seed = plan_memory(**dict(inputs, page_policy=PagePolicy.SEED))
     vllm = plan_memory(**dict(inputs, page_policy=PagePolicy.VLLM))
-    assert abs(seed.kv_page_bytes - seed.state_page_bytes) <= abs(vllm.kv_page_bytes - vllm.state_page_bytes)
+    assert abs(seed.kv_page_bytes - seed.state_page_bytes) <= abs(
+        vllm.kv_page_bytes - vllm.state_page_bytes
+    )
 
 
 def test_vllm_policy_on_qwen3_next_per_layer():
@@ -93,7 +97,14 @@ def test_budget_too_small_says_how_much_is_missing():
     assert "missing 984512 B" in message
 
 
-@pytest.mark.parametrize("field, kwargs", [("max_num_seqs", {"max_num_seqs": 0}), ("block_size", {"block_size": 0}), ("spec_tokens", {"spec_tokens": -1})])
+@pytest.mark.parametrize(
+    "field, kwargs",
+    [
+        ("max_num_seqs", {"max_num_seqs": 0}),
+        ("block_size", {"block_size": 0}),
+        ("spec_tokens", {"spec_tokens": -1}),
+    ],
+)
 def test_bad_numbers_name_the_field(field, kwargs):
     args = dict(geometry=get_preset("tiny-qwen3-next"), tp=1, budget_bytes=2**30, max_num_seqs=4)
     args.update(kwargs)

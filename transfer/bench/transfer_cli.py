@@ -56,6 +56,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "namespaces joined by a veth pair (needs root)",
     )
     parser.add_argument(
+        "--node-rank",
+        type=int,
+        choices=(0, 1),
+        help="two-node mode (with --peer): 0 hosts the prefill ranks on --peer's port, "
+        "1 runs the decode ranks and the driver and prints the results",
+    )
+    parser.add_argument(
+        "--peer", metavar="HOST:PORT", help="two-node mode: where node 0 listens (with --node-rank)"
+    )
+    parser.add_argument(
+        "--auth-token-file",
+        help="two-node mode: file holding the token both nodes share "
+        "(env PDXFER_AUTH_TOKEN_FILE; PDXFER_AUTH_TOKEN gives the token itself)",
+    )
+    parser.add_argument(
+        "--insecure-peer",
+        action="store_true",
+        help="two-node mode without a token: anyone who reaches the port can run code on node 0",
+    )
+    parser.add_argument(
         "--repeats", type=int, default=5, help="timed repeats per token count (default 5)"
     )
     parser.add_argument(
@@ -154,6 +174,28 @@ def _check(args: argparse.Namespace, geometry, pairs) -> None:
                 raise ValueError(f"{field} {tp}: {geometry.name}: {exc}") from None
 
 
+def _two_node(args: argparse.Namespace):
+    """The RemotePeer of two-node mode (token b"" with --insecure-peer and none), or None."""
+    if (args.node_rank is None) != (args.peer is None):
+        missing = "--peer" if args.peer is None else "--node-rank"
+        raise ValueError(f"{missing}: two-node mode needs both --node-rank and --peer")
+    if args.node_rank is None:
+        return None
+    if args.nodes == "netns":
+        raise ValueError("--nodes netns: cannot be combined with --node-rank/--peer")
+    from transfer.bench.transfer_remote import RemotePeer, parse_peer, read_token
+
+    host, port = parse_peer(args.peer)
+    token = read_token(args.auth_token_file)
+    if token is None and not args.insecure_peer:
+        raise ValueError(
+            "--auth-token-file: two-node mode needs a token shared by both nodes "
+            "(--auth-token-file, PDXFER_AUTH_TOKEN_FILE or PDXFER_AUTH_TOKEN): node 0 runs "
+            "pickled commands from the network. --insecure-peer runs without one"
+        )
+    return RemotePeer(host, port, token or b"")
+
+
 def _log(message: str) -> None:
     print(f"[bench transfer {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
@@ -196,6 +238,13 @@ def run(args: argparse.Namespace) -> int:
     tokens, pairs = parse_tokens(args.tokens), parse_pairs(args)
     max_arena = parse_size(args.max_arena_bytes, "--max-arena-bytes")
     _check(args, geometry, pairs)
+    peer = _two_node(args)
+    if args.node_rank == 0:
+        from transfer.bench.transfer_host import RankHost
+
+        host = RankHost(peer.port, peer.token or None, _log)
+        _with_sigterm_as_interrupt(host.serve)
+        return 0
     if args.nodes == "netns":
         from transfer.bench.netns import check_can_create
 
@@ -204,7 +253,9 @@ def run(args: argparse.Namespace) -> int:
         except RuntimeError as exc:
             print(f"pdxfer bench transfer: error: {exc}", file=sys.stderr)
             return 2
-    report = _with_sigterm_as_interrupt(lambda: measure(args, geometry, tokens, pairs, max_arena))
+    report = _with_sigterm_as_interrupt(
+        lambda: measure(args, geometry, tokens, pairs, max_arena, peer)
+    )
     if args.csv:
         from transfer.bench.transfer_report import write_csv
 
@@ -239,7 +290,7 @@ def _with_sigterm_as_interrupt(work):
         signal.signal(signal.SIGTERM, previous)
 
 
-def measure(args: argparse.Namespace, geometry, tokens, pairs, max_arena: int) -> dict:
+def measure(args: argparse.Namespace, geometry, tokens, pairs, max_arena: int, peer=None) -> dict:
     from transfer.bench.transfer_driver import Settings, placement, run_pair
     from transfer.bench.transfer_setup import fit_geometry
 
@@ -249,9 +300,10 @@ def measure(args: argparse.Namespace, geometry, tokens, pairs, max_arena: int) -
             f"scaled {geometry.name} from {len(geometry.layers)} to {len(scaled.layers)} layers "
             f"to fit --max-arena-bytes {args.max_arena_bytes} at {max(tokens)} tokens"
         )
+    nodes = "two-node" if peer is not None else args.nodes
     settings = Settings(
         args.transport,
-        args.nodes,
+        nodes,
         tokens,
         args.repeats,
         args.block_size,
@@ -261,9 +313,9 @@ def measure(args: argparse.Namespace, geometry, tokens, pairs, max_arena: int) -
         args.hole_blocks,
     )
     results, arenas = [], {}
-    with placement(args.nodes) as nodes:
+    with placement(nodes, peer) as where:
         for p, d in pairs:
-            pair_results, arena_bytes = run_pair(scaled, p, d, settings, nodes, _log)
+            pair_results, arena_bytes = run_pair(scaled, p, d, settings, where, _log)
             results += pair_results
             arenas[f"{p}:{d}"] = arena_bytes
     report = {
@@ -271,7 +323,7 @@ def measure(args: argparse.Namespace, geometry, tokens, pairs, max_arena: int) -
         "layers": len(scaled.layers),
         "model_layers": len(geometry.layers),
         "transport": args.transport,
-        "nodes": args.nodes,
+        "nodes": nodes,
         "tls": args.tls or ("tcp" if args.nodes == "netns" else "ucx default"),
         "block_size": args.block_size,
         "hole_blocks": args.hole_blocks,

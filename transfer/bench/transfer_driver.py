@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from transfer.bench.transfer_procs import RankProcess, call_all, stop_all
+from transfer.bench.transfer_procs import RankHandle, RankProcess, call_all, stop_all
+from transfer.bench.transfer_remote import RemotePeer
 from transfer.bench.transfer_setup import (
     Instances,
     Transfers,
@@ -34,7 +35,7 @@ SETUP_TIMEOUT_S = 600.0
 @dataclass(frozen=True)
 class Settings:
     transport: str
-    nodes: str  # "loopback" | "netns"
+    nodes: str  # "loopback" | "netns" | "two-node"
     tokens: tuple[int, ...]
     repeats: int
     block_size: int
@@ -48,10 +49,17 @@ Log = Callable[[str], None]
 
 
 @contextlib.contextmanager
-def placement(nodes: str) -> Iterator[tuple]:
-    """(prefill node, decode node): None, None on loopback; two namespaces for netns."""
+def placement(nodes: str, peer: RemotePeer | None = None) -> Iterator[tuple]:
+    """(prefill node, decode node): None, None on loopback; two namespaces for netns;
+    `peer`, None for two-node (told `done` at the end, so that it exits)."""
     if nodes == "loopback":
         yield None, None
+        return
+    if nodes == "two-node":
+        try:
+            yield peer, None
+        finally:
+            peer.finish()
         return
     from transfer.bench.netns import TwoNodes
 
@@ -59,8 +67,14 @@ def placement(nodes: str) -> Iterator[tuple]:
         yield pair
 
 
+def _start(label: str, node) -> RankHandle:
+    if isinstance(node, RemotePeer):
+        return node.connect(label)
+    return RankProcess(label, node.wrap if node else None)
+
+
 def _options(settings: Settings, node) -> dict:
-    if node is None:
+    if node is None or isinstance(node, RemotePeer):
         return {"tls": settings.tls} if settings.tls else {}
     # Force the veth: on one box UCX would otherwise pick shared memory across namespaces.
     return {"tls": settings.tls or "tcp", "net_devices": node.device}
@@ -77,16 +91,16 @@ class PairRun:
 
     def __init__(self, instances: Instances, settings: Settings, nodes: tuple, log: Log) -> None:
         self.instances, self.settings, self.log, self.nodes = instances, settings, log, nodes
-        self.prefill: list[RankProcess] = []
-        self.decode: list[RankProcess] = []
+        self.prefill: list[RankHandle] = []
+        self.decode: list[RankHandle] = []
         self.peers: list[list[str]] = []
 
     def start(self) -> None:
         p_node, d_node = self.nodes
         for r in range(len(self.instances.prefill)):
-            self.prefill.append(RankProcess(f"prefill rank {r}", p_node.wrap if p_node else None))
+            self.prefill.append(_start(f"prefill rank {r}", p_node))
         for r in range(len(self.instances.decode)):
-            self.decode.append(RankProcess(f"decode rank {r}", d_node.wrap if d_node else None))
+            self.decode.append(_start(f"decode rank {r}", d_node))
         p_options, d_options = _options(self.settings, p_node), _options(self.settings, d_node)
         tag = f"{len(self.prefill)}x{len(self.decode)}"
         setups = [

@@ -89,7 +89,9 @@ def run(args: argparse.Namespace) -> int:
         from transfer.cli.plan_transfer import run_transfer_plan
 
         return run_transfer_plan(args)
-    geometry = load_geometry(args.model or (None if args.hf_config else "qwen3-next-80b-a3b"), args.hf_config)
+    geometry = load_geometry(
+        args.model or (None if args.hf_config else "qwen3-next-80b-a3b"), args.hf_config
+    )
     if not 0.0 < args.mem_fraction <= 1.0:
         raise ValueError(f"--mem-fraction must be in (0, 1], got {args.mem_fraction}")
     dtypes = CacheDtypes.from_names(ssm=args.state_dtype)
@@ -106,7 +108,9 @@ def run(args: argparse.Namespace) -> int:
         placement=args.placement,
         dtypes=dtypes,
     )
-    report = plan_report(geometry.name, len(geometry.linear_layers), len(geometry.attention_layers), sizing, plan)
+    report = plan_report(
+        geometry.name, len(geometry.linear_layers), len(geometry.attention_layers), sizing, plan
+    )
     if args.plot:
         from transfer.plotting import plot_crossover
 
@@ -160,7 +164,10 @@ def format_report(report: dict[str, Any], plan: MemoryPlan) -> str:
     rows = [
         ("model", report["model"]),
         ("tp", report["tp"]),
-        ("layers", f"{report['num_linear_layers']} linear + {report['num_attention_layers']} attention"),
+        (
+            "layers",
+            f"{report['num_linear_layers']} linear + {report['num_attention_layers']} attention",
+        ),
     ]
     if state:
         rows += [
@@ -168,7 +175,9 @@ def format_report(report: dict[str, Any], plan: MemoryPlan) -> str:
             ("linear layer conv", f"{state['conv']:,} B"),
         ]
     if report["attention_layer_kv_bytes_per_token"]:
-        rows.append(("attention layer KV", f"{report['attention_layer_kv_bytes_per_token']:,} B/token"))
+        rows.append(
+            ("attention layer KV", f"{report['attention_layer_kv_bytes_per_token']:,} B/token")
+        )
     if report["crossover_tokens"]:
         rows.append(("crossover", f"{report['crossover_tokens']:,} tokens"))
     rows += [
@@ -178,7 +187,10 @@ def format_report(report: dict[str, Any], plan: MemoryPlan) -> str:
         ("cache budget", format_bytes(plan.budget_bytes)),
         ("placement / policy", f"{plan.placement.value} / {plan.page_policy.value}"),
         ("block size", f"{plan.block_size} tokens"),
-        ("page", f"{plan.page_bytes:,} B (KV {plan.kv_page_bytes:,}, state {plan.state_page_bytes:,})"),
+        (
+            "page",
+            f"{plan.page_bytes:,} B (KV {plan.kv_page_bytes:,}, state {plan.state_page_bytes:,})",
+        ),
         ("state slots", f"{plan.num_state_slots:,}"),
         ("KV blocks", f"{plan.num_kv_blocks:,} ({plan.num_kv_blocks * plan.block_size:,} tokens)"),
         ("padding waste", f"{format_bytes(plan.padding_bytes)} ({plan.padding_pct:.2f}%)"),

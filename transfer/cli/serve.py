@@ -40,13 +40,18 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
         help="address the data plane listens on and advertises (default: --host)",
     )
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="(default cpu)")
-    parser.add_argument("--gpu-mem", default="256MiB", help="cache memory per rank (default 256MiB)")
+    parser.add_argument(
+        "--gpu-mem", default="256MiB", help="cache memory per rank (default 256MiB)"
+    )
     parser.add_argument("--max-seqs", type=int, default=16, help="max live requests (default 16)")
     parser.add_argument(
         "--block-size", type=int, default=16, help="minimum KV block size in tokens (default 16)"
     )
     parser.add_argument(
-        "--lease-seconds", type=float, default=30.0, help="ticket lease before auto-free (default 30)"
+        "--lease-seconds",
+        type=float,
+        default=30.0,
+        help="ticket lease before auto-free (default 30)",
     )
     parser.add_argument("--seed", type=int, default=0, help="model weight seed (default 0)")
     parser.add_argument(
@@ -78,9 +83,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("role", choices=ROLES, help="which worker to run")
     parser.add_argument("--host", default="127.0.0.1", help="gRPC bind address (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=50051, help="gRPC port (default 50051; 0 = any)")
     parser.add_argument(
-        "--metrics-port", type=int, default=9400, help="Prometheus /metrics port (default 9400; 0 = off)"
+        "--port", type=int, default=50051, help="gRPC port (default 50051; 0 = any)"
+    )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=9400,
+        help="Prometheus /metrics port (default 9400; 0 = off)",
     )
     add_security_arguments(parser)
     add_worker_arguments(parser)
@@ -93,7 +103,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="a prefill instance (repeat; DNS names of headless Services resolve to all pods)",
     )
     router.add_argument(
-        "--decode", action="append", default=[], metavar="HOST:PORT", help="a decode instance (repeat)"
+        "--decode",
+        action="append",
+        default=[],
+        metavar="HOST:PORT",
+        help="a decode instance (repeat)",
     )
     parser.set_defaults(func=run)
 
