@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.conftest import pristine_ucx_env
 from transfer.control.errors import ControlError
 from transfer.control.server import serve
 from transfer.control.types import DecodeRequest, GenerateRequest, PrefillRequest
@@ -83,8 +84,9 @@ def one_thread():
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     dump_dir = tmp_path_factory.mktemp("caches")
-    prefill = start_prefill(dump_dir, "prefill-a")
-    instance = Instance(config("decode", dump_dir))
+    with pristine_ucx_env():
+        prefill = start_prefill(dump_dir, "prefill-a")
+        instance = Instance(config("decode", dump_dir))
     address = f"127.0.0.1:{free_port()}"
     worker = DecodeWorker(instance, "decode-a", ClientOptions(timeout_s=60.0))
     decode = Side(instance, worker, serve(address, decode=worker.decode), address)
@@ -97,15 +99,8 @@ def cluster(tmp_path_factory):
 def spare(tmp_path_factory):
     """A second prefill instance that talks TCP only, where a READ needs the target to make
     progress: stopping its rank (SIGSTOP) holds a transfer in flight as long as we like."""
-    previous = os.environ.get("UCX_TLS")
-    os.environ["UCX_TLS"] = "tcp"  # inherited by the rank process, and only by it
-    try:
+    with pristine_ucx_env(UCX_TLS="tcp"):  # inherited by the rank process, and only by it
         side = start_prefill(tmp_path_factory.mktemp("spare"), "prefill-spare")
-    finally:
-        if previous is None:
-            del os.environ["UCX_TLS"]
-        else:
-            os.environ["UCX_TLS"] = previous
     yield side
     side.close()
 
