@@ -32,7 +32,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "on localhost, send N requests at once, print TTFT, transfer time, bytes, descriptors "
         "and tokens/s per request, and shut everything down (Ctrl-C included).",
     )
-    add_model_arguments(parser)
+    add_model_arguments(parser, default_model="tiny-qwen3-next")
     parser.add_argument("--prefill-tp", type=int, default=1, help="prefill TP ranks (default 1)")
     parser.add_argument("--decode-tp", type=int, default=1, help="decode TP ranks (default 1)")
     parser.add_argument(

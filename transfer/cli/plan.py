@@ -14,11 +14,13 @@ from transfer.sizing import CacheDtypes, ModelSizing, size_model
 from transfer.units import format_bytes, parse_size
 
 
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+def add_model_arguments(
+    parser: argparse.ArgumentParser, default_model: str = "qwen3-next-80b-a3b"
+) -> None:
     """--model / --hf-config, shared by every command that needs a geometry."""
     group = parser.add_mutually_exclusive_group()
     group.add_argument(
-        "--model", help=f"preset name (default qwen3-next-80b-a3b): {', '.join(PRESETS)}"
+        "--model", help=f"preset name (default {default_model}): {', '.join(PRESETS)}"
     )
     group.add_argument("--hf-config", metavar="PATH", help="a Hugging Face config.json instead")
 
