@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import hmac
-import os
 import socket
 import time
 from dataclasses import dataclass, field, replace
 
 from transfer.bench.transfer_procs import RankSocket
 from transfer.bench.transfer_rank import HEADER
+from transfer.control.auth import load_token
 
 CONNECT_TIMEOUT_S = 300.0
 HANDSHAKE_TIMEOUT_S = 30.0
@@ -29,15 +29,8 @@ PURPOSES = ("rank", "done")
 
 def read_token(path: str | None) -> bytes | None:
     """--auth-token-file (or PDXFER_AUTH_TOKEN_FILE), else PDXFER_AUTH_TOKEN, else None."""
-    path = path or os.environ.get("PDXFER_AUTH_TOKEN_FILE")
-    if path:
-        with open(path, "rb") as f:
-            token = f.read().strip()
-        if not token:
-            raise ValueError(f"--auth-token-file {path}: the file is empty")
-        return token
-    token = os.environ.get("PDXFER_AUTH_TOKEN", "").strip().encode()
-    return token or None
+    token = load_token(path)
+    return token.encode() if token else None
 
 
 def parse_peer(text: str) -> tuple[str, int]:

@@ -8,6 +8,7 @@ included, answers UNAUTHENTICATED without the token.
 from __future__ import annotations
 
 import hmac
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,6 +50,18 @@ class TlsConfig:
             return None if path is None else Path(path).read_bytes()
 
         return cls(read(cert_chain), read(private_key), read(ca), server_name)
+
+
+def load_token(path: str | None) -> str | None:
+    """The shared token: the file at `path` (or $PDXFER_AUTH_TOKEN_FILE), else
+    $PDXFER_AUTH_TOKEN, else None. An empty file is an error naming --auth-token-file."""
+    path = path or os.environ.get("PDXFER_AUTH_TOKEN_FILE")
+    if path:
+        token = Path(path).read_text().strip()
+        if not token:
+            raise ValueError(f"--auth-token-file {path}: the file is empty")
+        return token
+    return os.environ.get("PDXFER_AUTH_TOKEN", "").strip() or None
 
 
 def server_credentials(tls: TlsConfig) -> grpc.ServerCredentials:

@@ -12,7 +12,6 @@ import argparse
 import fcntl
 import ipaddress
 import logging
-import os
 import signal
 import socket
 import struct
@@ -20,7 +19,7 @@ import sys
 import threading
 import time
 
-from transfer.control.auth import TlsConfig
+from transfer.control.auth import TlsConfig, load_token
 from transfer.control.metrics import WorkerMetrics, serve_metrics
 from transfer.control.server import serve as serve_control
 from transfer.engine.router import ClientOptions, Router, RouterMetrics, join_address
@@ -34,13 +33,7 @@ SIOCGIFADDR = 0x8915
 
 def auth_token(args: argparse.Namespace) -> str | None:
     """--auth-token-file (or PDXFER_AUTH_TOKEN_FILE), else PDXFER_AUTH_TOKEN, else none."""
-    if args.auth_token_file:
-        with open(args.auth_token_file) as f:
-            token = f.read().strip()
-        if not token:
-            raise ValueError(f"--auth-token-file {args.auth_token_file}: the file is empty")
-        return token
-    return os.environ.get("PDXFER_AUTH_TOKEN") or None
+    return load_token(args.auth_token_file)
 
 
 def tls_configs(args: argparse.Namespace) -> tuple[TlsConfig | None, TlsConfig | None]:
