@@ -17,18 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-OPS = (
-    "causal_conv1d",
-    "causal_conv1d_update",
-    "chunk_gdn",
-    "recurrent_gdn",
-    "chunk_kda",
-    "recurrent_kda",
-    "gather_ranges",
-    "scatter_ranges",
-    "gather_blocks",
-    "scatter_blocks",
-)
+import kernels
+
+OPS = tuple(name for name in kernels.__all__ if name != "use_triton")
 DTYPES = ("bf16", "fp32")
 # serving: Qwen3-Next / Kimi-Linear-like shapes; medium: the GPU correctness check;
 # tiny: a CPU smoke run through the Triton interpreter.

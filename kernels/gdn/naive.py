@@ -97,11 +97,10 @@ def _chunk_one(q, k, v, g, beta, S, chunk_size):
     return o.movedim(0, 2).reshape(-1, heads, V)[:L], S
 
 
-def naive_chunk_gdn(
-    q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-    use_qk_l2norm=False, chunk_size=64, cu_seqlens=None,
-):  # fmt: skip
-    """Chunked GDN (WY/UT transform inside chunks, state recurrence across). Shapes as chunk_gdn."""
+def chunk_per_sequence(chunk_one, q, k, v, g, beta, scale, initial_state, output_final_state,
+                       use_qk_l2norm, chunk_size, cu_seqlens):  # fmt: skip
+    """Run `chunk_one(q, k, v, g, beta, S, chunk_size) -> (o, S)` over each sequence of the
+    batch (or of `cu_seqlens`), threading initial and final states. Shared by GDN and KDA."""
     dtype = v.dtype
     q, k, v, g, beta = prepare_inputs(q, k, v, g, beta, scale, use_qk_l2norm)
     B, T, HV, V = v.shape
@@ -111,6 +110,15 @@ def naive_chunk_gdn(
         S = start_state(initial_state, n, HV, k.shape[-1], V, v.device)
         if eos > bos:
             part = (t[b, bos:eos] for t in (q, k, v, g, beta))
-            o[b, bos:eos], S = _chunk_one(*part, S, chunk_size)
+            o[b, bos:eos], S = chunk_one(*part, S, chunk_size)
         finals.append(S)
     return o.to(dtype), torch.stack(finals) if output_final_state else None
+
+
+def naive_chunk_gdn(
+    q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+    use_qk_l2norm=False, chunk_size=64, cu_seqlens=None,
+):  # fmt: skip
+    """Chunked GDN (WY/UT transform inside chunks, state recurrence across). Shapes as chunk_gdn."""
+    return chunk_per_sequence(_chunk_one, q, k, v, g, beta, scale, initial_state,
+                              output_final_state, use_qk_l2norm, chunk_size, cu_seqlens)  # fmt: skip

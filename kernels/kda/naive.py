@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..gdn.naive import prepare_inputs, spans, split_chunks, start_state
+from ..gdn.naive import chunk_per_sequence, prepare_inputs, spans, split_chunks, start_state
 
 
 def naive_recurrent_kda(
@@ -66,15 +66,5 @@ def naive_chunk_kda(
     use_qk_l2norm=False, chunk_size=64, cu_seqlens=None,
 ):  # fmt: skip
     """Chunked KDA (WY/UT transform inside chunks, state recurrence across). Shapes as chunk_kda."""
-    dtype = v.dtype
-    q, k, v, g, beta = prepare_inputs(q, k, v, g, beta, scale, use_qk_l2norm)
-    B, T, HV, V = v.shape
-    o = torch.zeros_like(v)
-    finals = []
-    for n, (b, bos, eos) in enumerate(spans(B, T, cu_seqlens)):
-        S = start_state(initial_state, n, HV, k.shape[-1], V, v.device)
-        if eos > bos:
-            part = (t[b, bos:eos] for t in (q, k, v, g, beta))
-            o[b, bos:eos], S = _chunk_one(*part, S, chunk_size)
-        finals.append(S)
-    return o.to(dtype), torch.stack(finals) if output_final_state else None
+    return chunk_per_sequence(_chunk_one, q, k, v, g, beta, scale, initial_state,
+                              output_final_state, use_qk_l2norm, chunk_size, cu_seqlens)  # fmt: skip
