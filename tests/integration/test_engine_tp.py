@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from transfer.engine.caches import LocalCaches
-from transfer.engine.distributed import init_tp_group
-from transfer.engine.reference import reference_model
-from transfer.engine.runner import RankEngine
 from transfer.geometry import CacheTensor, LayerSpec, ModelGeometry, Role
+from transfer.model.caches import LocalCaches
+from transfer.model.distributed import init_tp_group
+from transfer.model.reference import reference_model
+from transfer.model.runner import RankEngine
 from transfer.presets import get_preset
 
 pytestmark = pytest.mark.slow

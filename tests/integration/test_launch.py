@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from transfer.engine.workers.procs import LAUNCH_ID_ENV, processes_with_env
 from transfer.presets import get_preset
+from transfer.serving.procs import LAUNCH_ID_ENV, processes_with_env
 from transfer.sizing import CacheDtypes, attention_kv_bytes_per_token, linear_state_bytes
 
 pytestmark = pytest.mark.slow

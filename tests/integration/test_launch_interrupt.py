@@ -13,7 +13,7 @@ import uuid
 import pytest
 
 from tests.integration.test_launch import MAIN, ROOT, assert_no_leftovers
-from transfer.engine.workers.procs import LAUNCH_ID_ENV, processes_with_env
+from transfer.serving.procs import LAUNCH_ID_ENV, processes_with_env
 
 pytestmark = pytest.mark.slow
 

@@ -11,8 +11,9 @@ import pytest
 
 from transfer.control.client import RouterClient
 from transfer.control.types import GenerateRequest
-from transfer.engine.reference import reference_generate
-from transfer.engine.workers.procs import (
+from transfer.model.reference import reference_generate
+from transfer.presets import get_preset
+from transfer.serving.procs import (
     LAUNCH_ID_ENV,
     check_health,
     free_port,
@@ -21,7 +22,6 @@ from transfer.engine.workers.procs import (
     stop_all,
     wait_ready,
 )
-from transfer.presets import get_preset
 
 pytestmark = pytest.mark.slow
 

@@ -19,8 +19,9 @@ from transfer.control.auth import TlsConfig
 from transfer.control.client import RouterClient
 from transfer.control.errors import ControlError
 from transfer.control.types import GenerateRequest
-from transfer.engine.reference import reference_generate
-from transfer.engine.workers.procs import (
+from transfer.model.reference import reference_generate
+from transfer.presets import get_preset
+from transfer.serving.procs import (
     LAUNCH_ID_ENV,
     free_port,
     processes_with_env,
@@ -28,7 +29,6 @@ from transfer.engine.workers.procs import (
     stop_all,
     wait_ready,
 )
-from transfer.presets import get_preset
 
 pytestmark = pytest.mark.slow
 

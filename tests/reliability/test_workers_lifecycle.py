@@ -16,20 +16,21 @@ import pytest
 import torch
 
 from tests.conftest import pristine_ucx_env
+from transfer.control.client import ClientOptions
 from transfer.control.errors import ControlError
 from transfer.control.server import serve
 from transfer.control.types import DecodeRequest, GenerateRequest, PrefillRequest
-from transfer.engine.caches import LocalCaches
-from transfer.engine.reference import reference_generate
-from transfer.engine.router import ClientOptions, Router
-from transfer.engine.runner import RankEngine
-from transfer.engine.verify import check_request
-from transfer.engine.workers.decode import DecodeWorker, plan_reads
-from transfer.engine.workers.instance import Instance, InstanceConfig
-from transfer.engine.workers.prefill import PrefillWorker
-from transfer.engine.workers.procs import free_port
-from transfer.engine.workers.ranks import RankCommandError
+from transfer.model.caches import LocalCaches
+from transfer.model.reference import reference_generate
+from transfer.model.runner import RankEngine
 from transfer.presets import get_preset
+from transfer.serving.decode import DecodeWorker, plan_reads
+from transfer.serving.instance import Instance, InstanceConfig
+from transfer.serving.prefill import PrefillWorker
+from transfer.serving.procs import free_port
+from transfer.serving.ranks import RankCommandError
+from transfer.serving.router import Router
+from transfer.serving.verify import check_request
 
 pytestmark = pytest.mark.slow
 

@@ -18,7 +18,7 @@ FORBIDDEN = (
     "transfer.dataplane",
     "transfer.packer",
     "transfer.cache",
-    "transfer.engine",
+    "transfer.model",
     "transfer.cli",
     "torch",
 )

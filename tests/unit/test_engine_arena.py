@@ -8,10 +8,10 @@ import torch
 from transfer.cache.arena import Arena
 from transfer.cache.layout import Layout, LayoutOptions
 from transfer.cache.units import ConvOrder, KVOrder
-from transfer.engine.caches import ArenaCaches, CacheAccess, LocalCaches
-from transfer.engine.reference import reference_model
-from transfer.engine.runner import RankEngine
 from transfer.memplan import StatePlacement
+from transfer.model.caches import ArenaCaches, CacheAccess, LocalCaches
+from transfer.model.reference import reference_model
+from transfer.model.runner import RankEngine
 from transfer.presets import get_preset
 from transfer.sizing import CacheDtypes
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from transfer.engine.caches import LocalCaches
-from transfer.engine.distributed import TPGroup, init_tp_group
-from transfer.engine.runner import RankEngine
+from transfer.model.caches import LocalCaches
+from transfer.model.distributed import TPGroup, init_tp_group
+from transfer.model.runner import RankEngine
 from transfer.presets import get_preset
 
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from transfer.engine.caches import LocalCaches, view_shape
-from transfer.engine.distributed import TPGroup
-from transfer.engine.model import HybridModel
-from transfer.engine.reference import full_sequence_logits, reference_generate, reference_model
-from transfer.engine.runner import RankEngine
 from transfer.geometry import Role
+from transfer.model.caches import LocalCaches, view_shape
+from transfer.model.distributed import TPGroup
+from transfer.model.hybrid import HybridModel
+from transfer.model.reference import full_sequence_logits, reference_generate, reference_model
+from transfer.model.runner import RankEngine
 from transfer.presets import get_preset
 
 MODELS = ("tiny-qwen3-next", "tiny-kimi-linear")

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from transfer.engine.caches import LocalCaches
-from transfer.engine.reference import reference_generate, reference_model
-from transfer.engine.runner import RankEngine
-from transfer.engine.slots import CacheFillingError, SlotPhase
 from transfer.geometry import Role
+from transfer.model.caches import LocalCaches
+from transfer.model.reference import reference_generate, reference_model
+from transfer.model.runner import RankEngine
+from transfer.model.slots import CacheFillingError, SlotPhase
 from transfer.presets import get_preset
 
 PROMPT = [11, 400, 23, 5, 97, 310, 2, 64, 128, 7, 19, 333]

@@ -8,22 +8,35 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 # package (a folder or module under the repo root) -> modules it must never import
+# The layers from the ground up (docs/architecture.md); each may import only those before it.
+LAYERS = [
+    ("transfer/geometry.py", "transfer.geometry"),
+    ("transfer/presets.py", "transfer.presets"),
+    ("transfer/sizing.py", "transfer.sizing"),
+    ("transfer/memplan.py", "transfer.memplan"),
+    ("transfer/cache", "transfer.cache"),
+    ("transfer/packer", "transfer.packer"),
+    ("transfer/model", "transfer.model"),
+    ("transfer/serving", "transfer.serving"),
+    ("transfer/bench", "transfer.bench"),
+    ("transfer/cli", "transfer.cli"),
+]
+ABOVE = {path: tuple(m for _, m in LAYERS[i + 1 :]) for i, (path, _) in enumerate(LAYERS)}
+
+# package (a folder or module under the repo root) -> modules it must never import
 FORBIDDEN = {
+    **ABOVE,
     "kernels": ("transfer",),
-    "transfer/geometry.py": ("transfer.cache", "transfer.packer", "transfer.dataplane",
-                             "transfer.control", "transfer.engine", "transfer.cli"),
-    "transfer/sizing.py": ("transfer.cache", "transfer.packer", "transfer.dataplane",
-                           "transfer.control", "transfer.engine", "transfer.cli"),
-    "transfer/memplan.py": ("transfer.cache", "transfer.packer", "transfer.dataplane",
-                            "transfer.control", "transfer.engine", "transfer.cli"),
-    "transfer/cache": ("transfer.packer", "transfer.dataplane", "transfer.control",
-                       "transfer.engine", "transfer.cli"),
-    "transfer/packer": ("transfer.dataplane", "transfer.control", "transfer.engine", "transfer.cli"),
+    # Dataplane and control know byte ranges and opaque metadata only: no geometry, no
+    # cache, no packer, and neither imports the other.
     "transfer/dataplane": ("transfer.geometry", "transfer.presets", "transfer.cache",
-                           "transfer.packer", "transfer.control", "transfer.engine", "transfer.cli"),
+                           "transfer.packer", "transfer.control", "transfer.model",
+                           "transfer.serving", "transfer.bench", "transfer.cli"),
     "transfer/control": ("transfer.geometry", "transfer.presets", "transfer.cache",
-                         "transfer.packer", "transfer.dataplane", "transfer.engine", "transfer.cli"),
-    "transfer/engine": ("transfer.cli",),
+                         "transfer.packer", "transfer.dataplane", "transfer.model",
+                         "transfer.serving", "transfer.bench", "transfer.cli", "torch"),
+    # The model computes; it never talks to peers.
+    "transfer/model": ABOVE["transfer/model"] + ("transfer.control", "transfer.dataplane"),
 }  # fmt: skip
 
 

@@ -10,10 +10,10 @@ import pytest
 from transfer.cli import build_parser
 from transfer.cli.launch_report import format_table, summarize
 from transfer.cli.launch_run import Outcome
-from transfer.engine.router import Router, join_address, resolve, split_address
-from transfer.engine.workers.instance import InstanceConfig, plan_for
-from transfer.engine.workers.serve import auth_token, instance_config, interface_of, tls_configs
 from transfer.presets import get_preset
+from transfer.serving.instance import InstanceConfig, plan_for
+from transfer.serving.router import Router, join_address, resolve, split_address
+from transfer.serving.serve import auth_token, instance_config, interface_of, tls_configs
 
 
 @pytest.mark.parametrize("model", ["tiny-qwen3-next", "tiny-kimi-linear", "tiny-nemotron-h"])

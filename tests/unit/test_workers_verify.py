@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from transfer.engine.verify import (
+from transfer.presets import get_preset
+from transfer.serving.verify import (
     assemble_global,
     check_request,
     compare_snapshots,
@@ -14,7 +15,6 @@ from transfer.engine.verify import (
     slice_for_rank,
     tokens_check,
 )
-from transfer.presets import get_preset
 
 MODELS = ["tiny-qwen3-next", "tiny-kimi-linear", "tiny-nemotron-h"]
 

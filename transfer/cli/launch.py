@@ -78,15 +78,15 @@ def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from transfer.engine.workers.instance import InstanceConfig, plan_for
-    from transfer.engine.workers.procs import (
+    from transfer.presets import load_geometry
+    from transfer.serving.instance import InstanceConfig, plan_for
+    from transfer.serving.procs import (
         LAUNCH_ID_ENV,
         check_health,
         start_serve,
         stop_all,
         wait_ready,
     )
-    from transfer.presets import load_geometry
     from transfer.units import parse_size
 
     _check_args(args)

@@ -124,7 +124,7 @@ class References:
         try:
             import torch
 
-            from transfer.engine.reference import reference_generate
+            from transfer.model.reference import reference_generate
 
             if "OMP_NUM_THREADS" not in os.environ:
                 torch.set_num_threads(1)  # a tiny model; more threads only fight the workers
@@ -145,7 +145,7 @@ class References:
 def verify_outcomes(
     geometry, outcomes: list[Outcome], references: list[list[int]], dump_dir, args
 ) -> None:
-    from transfer.engine.verify import check_request, tokens_check
+    from transfer.serving.verify import check_request, tokens_check
 
     for out, expected in zip(outcomes, references, strict=True):
         if out.error:

@@ -113,6 +113,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from transfer.engine.workers.serve import serve
+    from transfer.serving.serve import serve
 
     return serve(args)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -21,6 +22,15 @@ from transfer.control.types import (
     TokenEvent,
     compat_hash,
 )
+
+
+@dataclass(frozen=True)
+class ClientOptions:
+    """How a worker or the router reaches a control-plane server."""
+
+    token: str | None = None
+    tls: TlsConfig | None = None
+    timeout_s: float = 120.0
 
 
 class _Client:

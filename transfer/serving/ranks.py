@@ -93,7 +93,7 @@ def rank_main(spec: Any, conn, build: str) -> None:
         return  # the control process died before we could ask to die with it
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the control process decides when to stop
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{spec.rank} %(message)s")
-    from transfer.engine.distributed import init_tp_group
+    from transfer.model.distributed import init_tp_group
 
     group = init_tp_group(
         spec.rank,

@@ -20,8 +20,8 @@ from transfer.control.types import (
     Ticket,
     compat_hash,
 )
-from transfer.engine.workers.instance import Instance
-from transfer.engine.workers.ranks import RankCommandError, RankGroupDead
+from transfer.serving.instance import Instance
+from transfer.serving.ranks import RankCommandError, RankGroupDead
 
 logger = logging.getLogger(__name__)
 

@@ -20,10 +20,11 @@ import threading
 import time
 
 from transfer.control.auth import TlsConfig, load_token
+from transfer.control.client import ClientOptions
 from transfer.control.metrics import WorkerMetrics, serve_metrics
 from transfer.control.server import serve as serve_control
-from transfer.engine.router import ClientOptions, Router, RouterMetrics, join_address
-from transfer.engine.workers.procs import free_port, ready_line
+from transfer.serving.procs import free_port, ready_line
+from transfer.serving.router import Router, RouterMetrics, join_address
 from transfer.units import parse_size
 
 logger = logging.getLogger("pdxfer.serve")
@@ -149,8 +150,8 @@ def _serve_router(args, token, server_tls, client_tls, stop: threading.Event) ->
 
 
 def instance_config(args: argparse.Namespace):
-    from transfer.engine.workers.instance import InstanceConfig
     from transfer.presets import load_geometry
+    from transfer.serving.instance import InstanceConfig
 
     model = args.model if (args.model or args.hf_config) else "tiny-qwen3-next"
     if args.lease_seconds <= 0:
@@ -174,10 +175,10 @@ def instance_config(args: argparse.Namespace):
 
 
 def _serve_worker(args, token, server_tls, client_tls, stop: threading.Event) -> int:
-    from transfer.engine.workers.decode import DecodeWorker
-    from transfer.engine.workers.instance import Instance
-    from transfer.engine.workers.prefill import PrefillWorker
-    from transfer.engine.workers.ranks import RankCommandError
+    from transfer.serving.decode import DecodeWorker
+    from transfer.serving.instance import Instance
+    from transfer.serving.prefill import PrefillWorker
+    from transfer.serving.ranks import RankCommandError
 
     config = instance_config(args)
     try:

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import torch
 
-from transfer.engine.distributed import TPGroup
-from transfer.engine.model.common import MLP, Step, rms_norm
-from transfer.engine.model.gdn import GDNMixer
-from transfer.engine.model.gqa import GQAMixer
-from transfer.engine.model.kda import KDAMixer
-from transfer.engine.model.mla import MLAMixer
-from transfer.engine.model.weights import WeightSource
 from transfer.geometry import LayerKind, ModelGeometry
+from transfer.model.distributed import TPGroup
+from transfer.model.layers.common import MLP, Step, rms_norm
+from transfer.model.layers.gdn import GDNMixer
+from transfer.model.layers.gqa import GQAMixer
+from transfer.model.layers.kda import KDAMixer
+from transfer.model.layers.mla import MLAMixer
+from transfer.model.weights import WeightSource
 
 MIXERS = {
     LayerKind.GDN: GDNMixer,

@@ -24,10 +24,10 @@ import torch
 from transfer.cache.arena import Arena
 from transfer.cache.layout import Layout
 from transfer.dataplane import Op, RangeBatch, make_transport, wait
-from transfer.engine.caches import ArenaCaches
-from transfer.engine.runner import RankEngine
-from transfer.engine.verify import save_snapshot, snapshot_request
-from transfer.engine.workers.spec import WARMUP_BYTES, WORKER_DTYPES, RankReads, RankSpec
+from transfer.model.caches import ArenaCaches
+from transfer.model.runner import RankEngine
+from transfer.serving.spec import WARMUP_BYTES, WORKER_DTYPES, RankReads, RankSpec
+from transfer.serving.verify import save_snapshot, snapshot_request
 
 logger = logging.getLogger(__name__)
 

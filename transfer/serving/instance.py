@@ -18,15 +18,15 @@ from dataclasses import dataclass
 from transfer.cache.layout import Layout
 from transfer.cache.pools import CachePools
 from transfer.control.types import make_compat
-from transfer.engine.workers.procs import free_port
-from transfer.engine.workers.ranks import RankGroup
-from transfer.engine.workers.spec import WORKER_DTYPES, RankSpec
 from transfer.geometry import ModelGeometry
 from transfer.memplan import MemoryPlan, PagePolicy, plan_memory
+from transfer.serving.procs import free_port
+from transfer.serving.ranks import RankGroup
+from transfer.serving.spec import WORKER_DTYPES, RankSpec
 
 logger = logging.getLogger(__name__)
 
-BUILD_RANK_WORKER = "transfer.engine.workers.rank_worker:build_rank_worker"
+BUILD_RANK_WORKER = "transfer.serving.rank_worker:build_rank_worker"
 
 
 @dataclass(frozen=True)

@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from kernels import causal_conv1d, causal_conv1d_update, chunk_gdn, recurrent_gdn
-from transfer.engine.model.common import Step, rms_norm
-from transfer.engine.model.weights import WeightSource, shard_cols, shard_rows
 from transfer.geometry import LayerSpec
+from transfer.model.layers.common import Step, rms_norm
+from transfer.model.weights import WeightSource, shard_cols, shard_rows
 
 
 class GDNMixer:

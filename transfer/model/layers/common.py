@@ -7,9 +7,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from transfer.engine.caches import CacheAccess
-from transfer.engine.model.weights import WeightSource, shard_cols, shard_rows
 from transfer.geometry import Segment
+from transfer.model.caches import CacheAccess
+from transfer.model.weights import WeightSource, shard_cols, shard_rows
 
 NORM_EPS = 1e-6
 ROPE_THETA = 10000.0

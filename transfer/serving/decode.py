@@ -18,15 +18,14 @@ from dataclasses import dataclass
 
 from transfer.cache.layout import Layout
 from transfer.cache.pools import CacheFullError
-from transfer.control.client import TransferClient
+from transfer.control.client import ClientOptions, TransferClient
 from transfer.control.errors import ControlError
 from transfer.control.metrics import WorkerMetrics
 from transfer.control.types import DecodeRequest, Ticket, TokenEvent
-from transfer.engine.router import ClientOptions
-from transfer.engine.workers.instance import Instance
-from transfer.engine.workers.ranks import RankCommandError
-from transfer.engine.workers.spec import RankReads
 from transfer.packer import StagingPolicy, TransferRequest, plan_transfer
+from transfer.serving.instance import Instance
+from transfer.serving.ranks import RankCommandError
+from transfer.serving.spec import RankReads
 
 logger = logging.getLogger(__name__)
 

@@ -11,12 +11,12 @@ from collections.abc import Sequence
 
 import torch
 
-from transfer.engine.caches import CacheAccess
-from transfer.engine.distributed import TPGroup
-from transfer.engine.model.common import Step
-from transfer.engine.model.model import HybridModel
-from transfer.engine.slots import SlotPhase, SlotTable
 from transfer.geometry import ModelGeometry
+from transfer.model.caches import CacheAccess
+from transfer.model.distributed import TPGroup
+from transfer.model.hybrid import HybridModel
+from transfer.model.layers.common import Step
+from transfer.model.slots import SlotPhase, SlotTable
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:

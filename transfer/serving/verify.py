@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from transfer.engine.caches import CacheAccess
 from transfer.geometry import CacheTensor, ModelGeometry, Role
+from transfer.model.caches import CacheAccess
 
 Snapshot = dict[str, torch.Tensor]
 

@@ -8,7 +8,7 @@ Public API (what workers build on):
 - `CacheFillingError`, `SlotPhase`: the slot lifecycle (REFERENCE.md §5 bugs 4 and 6).
 
 Names load on first access (PEP 562): importing a torch-free submodule such as
-`transfer.engine.router` does not import torch.
+`transfer.serving.router` does not import torch.
 """
 
 from __future__ import annotations
@@ -17,25 +17,25 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from transfer.engine.caches import ArenaCaches, CacheAccess, LocalCaches
-    from transfer.engine.distributed import TPGroup, free_port, init_tp_group
-    from transfer.engine.reference import full_sequence_logits, reference_generate
-    from transfer.engine.runner import RankEngine, blocks_needed
-    from transfer.engine.slots import CacheFillingError, SlotPhase
+    from transfer.model.caches import ArenaCaches, CacheAccess, LocalCaches
+    from transfer.model.distributed import TPGroup, free_port, init_tp_group
+    from transfer.model.reference import full_sequence_logits, reference_generate
+    from transfer.model.runner import RankEngine, blocks_needed
+    from transfer.model.slots import CacheFillingError, SlotPhase
 
 _HOMES = {
-    "ArenaCaches": "transfer.engine.caches",
-    "CacheAccess": "transfer.engine.caches",
-    "LocalCaches": "transfer.engine.caches",
-    "TPGroup": "transfer.engine.distributed",
-    "free_port": "transfer.engine.distributed",
-    "init_tp_group": "transfer.engine.distributed",
-    "full_sequence_logits": "transfer.engine.reference",
-    "reference_generate": "transfer.engine.reference",
-    "RankEngine": "transfer.engine.runner",
-    "blocks_needed": "transfer.engine.runner",
-    "CacheFillingError": "transfer.engine.slots",
-    "SlotPhase": "transfer.engine.slots",
+    "ArenaCaches": "transfer.model.caches",
+    "CacheAccess": "transfer.model.caches",
+    "LocalCaches": "transfer.model.caches",
+    "TPGroup": "transfer.model.distributed",
+    "free_port": "transfer.model.distributed",
+    "init_tp_group": "transfer.model.distributed",
+    "full_sequence_logits": "transfer.model.reference",
+    "reference_generate": "transfer.model.reference",
+    "RankEngine": "transfer.model.runner",
+    "blocks_needed": "transfer.model.runner",
+    "CacheFillingError": "transfer.model.slots",
+    "SlotPhase": "transfer.model.slots",
 }
 
 __all__ = [
@@ -56,7 +56,7 @@ __all__ = [
 
 def __getattr__(name: str):
     if name not in _HOMES:
-        raise AttributeError(f"module 'transfer.engine' has no attribute {name!r}")
+        raise AttributeError(f"module 'transfer.model' has no attribute {name!r}")
     value = getattr(importlib.import_module(_HOMES[name]), name)
     globals()[name] = value
     return value

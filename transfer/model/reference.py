@@ -7,12 +7,12 @@ from collections.abc import Sequence
 
 import torch
 
-from transfer.engine.caches import LocalCaches
-from transfer.engine.distributed import TPGroup
-from transfer.engine.model.common import Step
-from transfer.engine.model.model import HybridModel
-from transfer.engine.runner import RankEngine, blocks_needed
 from transfer.geometry import ModelGeometry
+from transfer.model.caches import LocalCaches
+from transfer.model.distributed import TPGroup
+from transfer.model.hybrid import HybridModel
+from transfer.model.layers.common import Step
+from transfer.model.runner import RankEngine, blocks_needed
 
 REFERENCE_BLOCK_SIZE = 16
 

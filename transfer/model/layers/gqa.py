@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from transfer.engine.model.common import Step, attend, paged_read, paged_write, rms_norm, rope
-from transfer.engine.model.weights import WeightSource, shard_cols, shard_rows
 from transfer.geometry import LayerSpec
+from transfer.model.layers.common import Step, attend, paged_read, paged_write, rms_norm, rope
+from transfer.model.weights import WeightSource, shard_cols, shard_rows
 
 
 class GQAMixer:

@@ -14,12 +14,11 @@ import socket
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from prometheus_client import CollectorRegistry, Counter
 
-from transfer.control.auth import TlsConfig
-from transfer.control.client import DecodeClient, PrefillClient, TransferClient
+from transfer.control.client import ClientOptions, DecodeClient, PrefillClient, TransferClient
 from transfer.control.errors import ControlError
 from transfer.control.types import DecodeRequest, GenerateRequest, PrefillRequest, TokenEvent
 
@@ -72,13 +71,6 @@ class RouterMetrics:
             "Prefill calls retried on another instance",
             registry=self.registry,
         )
-
-
-@dataclass(frozen=True)
-class ClientOptions:
-    token: str | None = None
-    tls: TlsConfig | None = None
-    timeout_s: float = 120.0
 
 
 class _Pool:
