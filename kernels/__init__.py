@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from kernels.conv1d import causal_conv1d, causal_conv1d_update
     from kernels.gdn import chunk_gdn, recurrent_gdn
     from kernels.kda import chunk_kda, recurrent_kda
+    from kernels.mamba2 import chunk_mamba2, recurrent_mamba2
     from kernels.pack import gather_blocks, gather_ranges, scatter_blocks, scatter_ranges
 
 _HOMES = {
@@ -23,6 +24,8 @@ _HOMES = {
     "recurrent_gdn": "kernels.gdn",
     "chunk_kda": "kernels.kda",
     "recurrent_kda": "kernels.kda",
+    "chunk_mamba2": "kernels.mamba2",
+    "recurrent_mamba2": "kernels.mamba2",
     "gather_ranges": "kernels.pack",
     "scatter_ranges": "kernels.pack",
     "gather_blocks": "kernels.pack",
@@ -37,6 +40,8 @@ __all__ = [
     "recurrent_gdn",
     "chunk_kda",
     "recurrent_kda",
+    "chunk_mamba2",
+    "recurrent_mamba2",
     "gather_ranges",
     "scatter_ranges",
     "gather_blocks",

@@ -1,7 +1,7 @@
 """`pdxfer bench kernels`: Triton vs the torch reference for every public op, on a GPU.
 
 Times the public op (validation and dispatch included): CUDA events, warmup, median of
-repeats. Bytes and FLOPs come from simple per-op models (see `_CASES`), so GB/s and
+repeats. Bytes and FLOPs come from simple per-op models (see `bench_cases`), so GB/s and
 TFLOP/s compare kernels and shapes, not hardware peaks. Never run in CI.
 """
 
@@ -14,40 +14,13 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import kernels
+from kernels.bench_cases import Case, make_case
 
 OPS = tuple(name for name in kernels.__all__ if name != "use_triton")
 DTYPES = ("bf16", "fp32")
-# serving: Qwen3-Next / Kimi-Linear-like shapes; medium: the GPU correctness check;
-# tiny: a CPU smoke run through the Triton interpreter.
-SCALES = {
-    "serving": dict(T=8192, seqs=1, B=256, H=16, HV=32, KH=32, K=128, D=8192, pack=1 << 30,
-                    blocks=65536, head_dim=256),
-    "medium": dict(T=1000, seqs=3, B=16, H=4, HV=8, KH=8, K=128, D=1000, pack=64 << 20,
-                   blocks=2048, head_dim=256),
-    "tiny": dict(T=40, seqs=2, B=2, H=1, HV=2, KH=2, K=16, D=64, pack=256 << 10,
-                 blocks=16, head_dim=32),
-}  # fmt: skip
-CHUNK = 64  # chunk size of the chunked delta rule, for the FLOP model
-CONV_WIDTH = 4
-BLOCK_SIZE = 16
-
-
-@dataclass(frozen=True)
-class Case:
-    """One op at one shape: fn(**inputs) runs the public op and returns what it produced
-    (outputs, and the tensors it wrote in place); exact: compare bits, not rel error."""
-
-    op: str
-    shape: str
-    fn: Callable[..., tuple]
-    inputs: dict[str, Any]
-    bytes: int
-    flops: int
-    exact: bool = False
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -161,200 +134,3 @@ def _median_ms(case: Case, backend: str, repeats: int, device: str, budget_s: fl
         return statistics.median(times)
 
     return with_backend(backend, measure)
-
-
-def make_case(op: str, dtype: str, scale: str, device: str) -> Case:
-    """Inputs for op at a scale ("serving", "medium", "tiny") on device."""
-    import torch
-
-    torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
-    return _CASES[op](SCALES[scale], torch_dtype, torch.device(device))
-
-
-def _cu_seqlens(total: int, seqs: int, device):
-    """Offsets of `seqs` sequences of uneven lengths summing to total (None for one)."""
-    import torch
-
-    if seqs == 1:
-        return None
-    cuts = sorted(total * (2 * i + 1) // (2 * seqs + 1) for i in range(1, seqs))
-    return torch.tensor([0, *cuts, total], dtype=torch.int64, device=device)
-
-
-def _conv_case(s, dtype, device) -> Case:
-    import torch
-
-    from kernels.conv1d import causal_conv1d
-
-    T, D, W = s["T"], s["D"], CONV_WIDTH
-    cu = _cu_seqlens(T, s["seqs"], device)
-    n = s["seqs"]
-    inputs = dict(
-        x=torch.randn(1, T, D, device=device, dtype=dtype),
-        weight=torch.randn(D, W, device=device, dtype=dtype),
-        bias=torch.randn(D, device=device, dtype=dtype),
-        initial_state=torch.randn(n, D, W - 1, device=device, dtype=dtype),
-        cu_seqlens=cu,
-    )
-    size = torch.finfo(dtype).bits // 8
-
-    def fn(**kw):
-        return causal_conv1d(**kw, output_final_state=True)
-
-    return Case("causal_conv1d", f"T={T} D={D} W={W} seqs={n}", fn, inputs,
-                bytes=size * (2 * T * D + 2 * n * D * (W - 1)), flops=2 * W * T * D)  # fmt: skip
-
-
-def _conv_update_case(s, dtype, device) -> Case:
-    import torch
-
-    from kernels.conv1d import causal_conv1d_update
-
-    B, D, W = s["B"], s["D"], CONV_WIDTH
-    # time-major arena slots seen through a [B, D, W-1] view, as a decode engine holds them
-    arena = torch.randn(B, W - 1, D, device=device, dtype=dtype)
-    inputs = dict(
-        x=torch.randn(B, D, device=device, dtype=dtype),
-        conv_state=arena.transpose(1, 2),
-        weight=torch.randn(D, W, device=device, dtype=dtype),
-        bias=torch.randn(D, device=device, dtype=dtype),
-    )
-
-    def fn(**kw):
-        return causal_conv1d_update(**kw), kw["conv_state"]
-
-    size = torch.finfo(dtype).bits // 8
-    return Case("causal_conv1d_update", f"B={B} D={D} W={W} state time-major", fn, inputs,
-                bytes=size * B * D * (2 + 2 * (W - 1)), flops=2 * W * B * D)  # fmt: skip
-
-
-def _delta_case(op: str, per_key: bool, chunked: bool):
-    def build(s, dtype, device) -> Case:
-        import torch
-        import torch.nn.functional as F
-
-        import kernels
-
-        K = s["K"]
-        H, HV = (s["KH"], s["KH"]) if per_key else (s["H"], s["HV"])
-        if chunked:
-            B, T, n = 1, s["T"], s["seqs"]
-            cu = _cu_seqlens(T, n, device)
-        else:
-            B, T, n, cu = s["B"], 1, s["B"], None
-        g_shape = (B, T, HV, K) if per_key else (B, T, HV)
-        inputs = dict(
-            q=F.normalize(torch.randn(B, T, H, K, device=device), dim=-1).to(dtype),
-            k=F.normalize(torch.randn(B, T, H, K, device=device), dim=-1).to(dtype),
-            v=torch.randn(B, T, HV, K, device=device, dtype=dtype),
-            g=F.logsigmoid(torch.randn(g_shape, device=device) + 3).to(dtype),
-            beta=torch.sigmoid(torch.randn(B, T, HV, device=device)).to(dtype),
-            initial_state=0.1 * torch.randn(n, HV, K, K, device=device),
-        )
-        if cu is not None:
-            inputs["cu_seqlens"] = cu
-        op_fn = getattr(kernels, op)
-
-        def fn(**kw):
-            return op_fn(**kw, output_final_state=True)
-
-        size = torch.finfo(dtype).bits // 8
-        tokens = B * T
-        per_token = 2 * H * K + 2 * HV * K + HV + (HV * K if per_key else HV)  # q k v o g beta
-        state = 2 * n * HV * K * K * 4  # fp32 state in and out
-        # chunked: 6KV + 4C(K+V) per token and value head (WY form, solve excluded);
-        # recurrent: 7KV (decay, S^T k, rank-1 update, S^T q)
-        flops = tokens * HV * (6 * K * K + 8 * CHUNK * K if chunked else 7 * K * K)
-        shape = f"B={B} T={T} H={H} HV={HV} K=V={K} seqs={n}"
-        return Case(op, shape, fn, inputs, bytes=size * tokens * per_token + state, flops=flops)
-
-    return build
-
-
-def _range_layout(total: int, device):
-    """Shuffled, non-adjacent 4 KiB..64 KiB ranges covering about `total` bytes."""
-    import torch
-
-    page = 4096
-    count = max(1, total // (page * 8))
-    lengths = torch.randint(1, 17, (count,)) * page
-    gaps = torch.randint(1, 4, (count,)) * page
-    offsets = torch.cumsum(lengths + gaps, 0) - lengths
-    order = torch.randperm(count)
-    arena_bytes = int(offsets[-1] + lengths[-1])
-    return offsets[order].to(device), lengths[order].to(device), arena_bytes
-
-
-def _ranges_case(op: str):
-    def build(s, dtype, device) -> Case:
-        import torch
-
-        import kernels
-
-        offsets, lengths, arena_bytes = _range_layout(s["pack"], device)
-        total = int(lengths.sum())
-        arena = torch.randint(0, 256, (arena_bytes,), dtype=torch.uint8, device=device)
-        staging = torch.randint(0, 256, (total,), dtype=torch.uint8, device=device)
-        if op == "gather_ranges":
-            inputs = dict(src=arena, offsets=offsets, lengths=lengths, out=staging)
-
-            def fn(**kw):
-                return (kernels.gather_ranges(**kw),)
-        else:
-            inputs = dict(staging=staging, dst=arena, offsets=offsets, lengths=lengths)
-
-            def fn(**kw):
-                kernels.scatter_ranges(**kw)
-                return (kw["dst"],)
-
-        shape = f"{total / 2**20:.2f} MiB in {len(offsets)} ranges of 4-64 KiB"
-        return Case(op, shape, fn, inputs, bytes=2 * total, flops=0, exact=True)
-
-    return build
-
-
-def _blocks_case(op: str):
-    def build(s, dtype, device) -> Case:
-        import torch
-
-        import kernels
-
-        heads, head_dim, num_blocks = 2, s["head_dim"], s["blocks"]
-        # head-major arena (a rank's heads outermost), seen as [blocks, block_size, heads, dim]
-        arena = torch.randn(heads, num_blocks, BLOCK_SIZE, head_dim, device=device).to(dtype)
-        cache = arena.permute(1, 2, 0, 3)
-        ids = torch.randperm(num_blocks, device=device)[: num_blocks // 2]
-        staging = torch.randn(len(ids), BLOCK_SIZE, 1, head_dim, device=device).to(dtype)
-        if op == "gather_blocks":
-            inputs = dict(cache=cache, block_ids=ids, head_start=1, head_end=2, out=staging)
-
-            def fn(**kw):
-                return (kernels.gather_blocks(**kw),)
-        else:
-            inputs = dict(staging=staging, cache=cache, block_ids=ids, head_start=1, head_end=2)
-
-            def fn(**kw):
-                kernels.scatter_blocks(**kw)
-                return (kw["cache"],)
-
-        moved = staging.numel() * staging.element_size()
-        shape = (
-            f"{len(ids)} of {num_blocks} blocks x{BLOCK_SIZE}, head 1 of {heads}, dim {head_dim}"
-        )
-        return Case(op, shape, fn, inputs, bytes=2 * moved, flops=0, exact=True)
-
-    return build
-
-
-_CASES = {
-    "causal_conv1d": _conv_case,
-    "causal_conv1d_update": _conv_update_case,
-    "chunk_gdn": _delta_case("chunk_gdn", per_key=False, chunked=True),
-    "recurrent_gdn": _delta_case("recurrent_gdn", per_key=False, chunked=False),
-    "chunk_kda": _delta_case("chunk_kda", per_key=True, chunked=True),
-    "recurrent_kda": _delta_case("recurrent_kda", per_key=True, chunked=False),
-    "gather_ranges": _ranges_case("gather_ranges"),
-    "scatter_ranges": _ranges_case("scatter_ranges"),
-    "gather_blocks": _blocks_case("gather_blocks"),
-    "scatter_blocks": _blocks_case("scatter_blocks"),
-}

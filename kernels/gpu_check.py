@@ -18,7 +18,8 @@ import os
 import sys
 import time
 
-from kernels.bench import OPS, format_table, make_case, run_benchmarks, with_backend
+from kernels.bench import OPS, format_table, run_benchmarks, with_backend
+from kernels.bench_cases import make_case
 
 BOUNDS = {"fp32": 1e-4, "bf16": 1e-2}
 INT_DTYPES = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}

@@ -8,8 +8,29 @@ axis (for conv state: q|k|v or x|B|C), each segment a run of `num_units` heads o
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
+
+from transfer.errors import InvalidInput
+
+# Element sizes of the dtypes a cache may hold, by torch name; config.json spellings map here.
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_DTYPE_ALIASES = {
+    "fp32": "float32", "float": "float32", "torch.float32": "float32",
+    "bf16": "bfloat16", "torch.bfloat16": "bfloat16",
+    "fp16": "float16", "half": "float16", "torch.float16": "float16",
+}  # fmt: skip
+
+
+def canonical_dtype(name: object, field: str = "dtype") -> str:
+    """The torch name ("float32", "bfloat16", "float16") of a dtype spelling; InvalidInput
+    naming `field` for anything else."""
+    text = str(name).lower() if isinstance(name, str) else None
+    canonical = _DTYPE_ALIASES.get(text, text)
+    if canonical not in DTYPE_BYTES:
+        raise InvalidInput(f"{field}: dtype {name!r} unknown; choose from {', '.join(DTYPE_BYTES)}")
+    return canonical
 
 
 class LayerKind(str, enum.Enum):
@@ -244,13 +265,19 @@ class LayerSpec:
 
 @dataclass(frozen=True)
 class ModelGeometry:
-    """The cache-bearing layers of a model, in order (MLP-only layers cache nothing)."""
+    """The cache-bearing layers of a model, in order (MLP-only layers cache nothing).
+
+    `dtype` is the model's (KV and conv caches use it); `ssm_dtype` is the recurrent state's
+    when the config fixes one (mamba_ssm_dtype), else None: the serving side chooses.
+    """
 
     name: str
     layers: tuple[LayerSpec, ...]
     hidden_size: int
     vocab_size: int = 512
     num_hidden_layers: int = 0
+    dtype: str = "bfloat16"
+    ssm_dtype: str | None = None
 
     @property
     def linear_layers(self) -> tuple[LayerSpec, ...]:
@@ -278,6 +305,6 @@ class ModelGeometry:
         """The first `num_layers` cache-bearing layers (for benchmarks that must fit a box)."""
         if not 1 <= num_layers <= len(self.layers):
             raise ValueError(f"num_layers must be in [1, {len(self.layers)}], got {num_layers}")
-        return ModelGeometry(
-            self.name, self.layers[:num_layers], self.hidden_size, self.vocab_size, num_layers
+        return dataclasses.replace(
+            self, layers=self.layers[:num_layers], num_hidden_layers=num_layers
         )

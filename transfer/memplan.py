@@ -1,6 +1,6 @@
 """Memory planning: a rank's cache budget -> state slots + KV blocks with one page size.
 
-A single allocator wants one page size (REFERENCE.md §3). The planner reserves state for
+A single allocator wants one page size (docs/reference.md #3). The planner reserves state for
 `max_num_seqs * (1 + spec_tokens)` slots first, picks the KV block size so the attention
 page is close to the state page, pads the smaller page up to the larger, and gives the rest
 of the budget to KV blocks. The padding is waste, and the plan reports it.
@@ -12,6 +12,7 @@ import enum
 import math
 from dataclasses import dataclass
 
+from transfer.errors import InvalidInput
 from transfer.geometry import LayerKind, ModelGeometry
 from transfer.sizing import (
     CacheDtypes,
@@ -105,7 +106,7 @@ def plan_memory(
     dtypes: CacheDtypes | None = None,
     alignment: int | None = None,
 ) -> MemoryPlan:
-    """Plan one rank's cache. Raises ValueError naming the field for bad input or a short budget."""
+    """Plan one rank's cache. Raises InvalidInput naming the field for bad input or a short budget."""
     page_policy = PagePolicy(page_policy)
     placement = StatePlacement(placement)
     dtypes = dtypes or CacheDtypes()
@@ -116,7 +117,7 @@ def plan_memory(
         ("spec_tokens", spec_tokens, 0),
     ):
         if value < low:
-            raise ValueError(f"{field} must be >= {low}, got {value}")
+            raise InvalidInput(f"{field} must be >= {low}, got {value}")
     alignment = alignment or default_alignment(geometry)
     geometry.check_tp(tp)
 
@@ -147,7 +148,7 @@ def plan_memory(
     block_bytes = kv_pages_per_block * page
     needed = state_reserved + block_bytes
     if needed > budget_bytes:
-        raise ValueError(
+        raise InvalidInput(
             f"budget of {budget_bytes} B is too small for max_num_seqs={max_num_seqs} "
             f"(x{1 + spec_tokens} slots with spec_tokens={spec_tokens}): state needs "
             f"{state_reserved} B plus {block_bytes} B for one KV block; "

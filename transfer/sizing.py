@@ -1,11 +1,13 @@
-"""Cache bytes per layer and per model on one TP rank (REFERENCE.md §2)."""
+"""Cache bytes per layer and per model on one TP rank (docs/reference.md #2)."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
-from transfer.geometry import CacheTensor, LayerSpec, ModelGeometry, Role
+from transfer.errors import InvalidInput
+from transfer.geometry import DTYPE_BYTES as DTYPE_BYTES_BY_NAME
+from transfer.geometry import CacheTensor, LayerSpec, ModelGeometry, Role, canonical_dtype
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
 
@@ -22,8 +24,21 @@ class CacheDtypes:
     def from_names(cls, kv: str = "bf16", ssm: str = "bf16", conv: str = "bf16") -> CacheDtypes:
         for field, name in (("kv_dtype", kv), ("state_dtype", ssm), ("conv_dtype", conv)):
             if name not in DTYPE_BYTES:
-                raise ValueError(f"{field} {name!r} unknown; choose from {', '.join(DTYPE_BYTES)}")
+                raise InvalidInput(
+                    f"{field} {name!r} unknown; choose from {', '.join(DTYPE_BYTES)}"
+                )
         return cls(DTYPE_BYTES[kv], DTYPE_BYTES[ssm], DTYPE_BYTES[conv])
+
+    @classmethod
+    def for_model(cls, geometry: ModelGeometry, ssm_dtype: str = "auto") -> CacheDtypes:
+        """KV and conv in the model's dtype; S in `ssm_dtype`, where "auto" means the
+        config's mamba_ssm_dtype if it has one, else the model dtype (as vLLM does)."""
+        model = DTYPE_BYTES_BY_NAME[geometry.dtype]
+        if ssm_dtype == "auto":
+            ssm = DTYPE_BYTES_BY_NAME[geometry.ssm_dtype or geometry.dtype]
+        else:
+            ssm = DTYPE_BYTES_BY_NAME[canonical_dtype(ssm_dtype, "ssm_dtype")]
+        return cls(kv=model, ssm=ssm, conv=model)
 
     def of(self, role: Role) -> int:
         return {Role.KV: self.kv, Role.SSM: self.ssm, Role.CONV: self.conv}[role]
@@ -89,7 +104,7 @@ def size_model(
 ) -> ModelSizing:
     dtypes = dtypes or CacheDtypes()
     if spec_tokens < 0:
-        raise ValueError(f"spec_tokens must be >= 0, got {spec_tokens}")
+        raise InvalidInput(f"spec_tokens must be >= 0, got {spec_tokens}")
     geometry.check_tp(tp)
     linear = [linear_state_bytes(layer, tp, dtypes) for layer in geometry.linear_layers]
     attention = [

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+from transfer.errors import InvalidInput
+
 _UNITS = {
     "": 1,
     "b": 1,
@@ -24,14 +26,14 @@ _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*$", re.IGNOR
 
 
 def parse_size(text: str, field: str = "size") -> int:
-    """`80GiB` -> 85899345920. Raises ValueError naming `field` on bad input."""
+    """`80GiB` -> 85899345920. Raises InvalidInput naming `field` on bad input."""
     match = _SIZE.match(str(text))
     unit = match.group(2).lower() if match else None
     if not match or unit not in _UNITS:
-        raise ValueError(f"{field}: cannot parse {text!r} (examples: 80GiB, 512MiB, 1e9)")
+        raise InvalidInput(f"{field}: cannot parse {text!r} (examples: 80GiB, 512MiB, 1e9)")
     value = int(float(match.group(1)) * _UNITS[unit])
     if value <= 0:
-        raise ValueError(f"{field}: must be positive, got {text!r}")
+        raise InvalidInput(f"{field}: must be positive, got {text!r}")
     return value
 
 

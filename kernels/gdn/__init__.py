@@ -1,65 +1,13 @@
-"""Gated DeltaNet: chunked (prefill) and recurrent (decode) ops, Triton or torch by backend."""
+"""Gated DeltaNet (one log-decay per head and token): chunked (prefill) and recurrent (decode)
+ops, Triton or torch by backend."""
 
 from __future__ import annotations
 
-import torch
-
-from ..backend import use_triton
-from .args import check_chunk_size, check_delta_rule_args
-from .naive import naive_chunk_gdn, naive_recurrent_gdn
+from ..delta_rule.ops import DeltaRuleKind, chunk_op, recurrent_op
+from .naive import gdn_intra
 
 __all__ = ["chunk_gdn", "recurrent_gdn"]
 
-
-def chunk_gdn(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    scale: float | None = None,
-    initial_state: torch.Tensor | None = None,
-    output_final_state: bool = False,
-    use_qk_l2norm: bool = False,
-    chunk_size: int = 64,
-    cu_seqlens: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Chunked gated delta rule over whole sequences.
-
-    q, k [B,T,H,K]; v [B,T,HV,V] (value head j reads key head j // (HV//H)); g (log-decay, <= 0)
-    and beta [B,T,HV]; initial_state [N,HV,K,V] fp32 where N is B, or len(cu_seqlens)-1 when
-    cu_seqlens packs N sequences into B=1. Returns o [B,T,HV,V] in v's dtype and, if
-    output_final_state, the final state [N,HV,K,V] fp32 (else None). scale defaults to K**-0.5.
-    """
-    check_delta_rule_args(q, k, v, g, beta, initial_state, cu_seqlens, g_per_key=False)
-    check_chunk_size(chunk_size)
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    args = (q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm)
-    if use_triton(q, k, v, g, beta, initial_state):
-        from .triton import triton_chunk_gdn
-
-        return triton_chunk_gdn(*args, chunk_size, cu_seqlens)
-    return naive_chunk_gdn(*args, chunk_size=chunk_size, cu_seqlens=cu_seqlens)
-
-
-def recurrent_gdn(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    scale: float | None = None,
-    initial_state: torch.Tensor | None = None,
-    output_final_state: bool = False,
-    use_qk_l2norm: bool = False,
-    cu_seqlens: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Token-by-token gated delta rule (decode). Shapes and results as `chunk_gdn`."""
-    check_delta_rule_args(q, k, v, g, beta, initial_state, cu_seqlens, g_per_key=False)
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    args = (q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm)
-    if use_triton(q, k, v, g, beta, initial_state):
-        from .triton import triton_recurrent_gdn
-
-        return triton_recurrent_gdn(*args, cu_seqlens)
-    return naive_recurrent_gdn(*args, cu_seqlens=cu_seqlens)
+GDN = DeltaRuleKind("gdn", "gated delta rule", gdn_intra, decay_per_key=False)
+chunk_gdn = chunk_op(GDN)
+recurrent_gdn = recurrent_op(GDN)

@@ -135,8 +135,8 @@ def test_netns_without_root_says_so(monkeypatch, capsys):
         (["--tokens", "1k,x"], "--tokens"),
         (["--tokens", "0"], "--tokens"),
         (["--tp-pairs", "2-1"], "--tp-pairs"),
-        (["--decode-tp", "3"], "--decode-tp 3"),
-        (["--repeats", "0"], "--repeats"),
+        (["--decode-tp", "3"], "decode_tp 3"),
+        (["--repeats", "0"], "repeats"),
         (["--max-arena-bytes", "lots"], "--max-arena-bytes"),
     ],
 )

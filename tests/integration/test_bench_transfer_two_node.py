@@ -5,23 +5,17 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 
 from transfer.bench.transfer_remote import RemotePeer
+from transfer.net import free_port
 
 ENTRY = "import sys; from transfer.cli import main; sys.exit(main())"
 TINY = ("--model", "tiny-qwen3-next", "--tokens", "256", "--repeats", "1")
 TINY += ("--prefill-tp", "1", "--decode-tp", "1", "--control-tickets", "0", "--json")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _node(rank: int, port: int, token_file, *extra: str) -> subprocess.Popen:
@@ -41,7 +35,7 @@ def _token(tmp_path, name: str, text: str):
 
 @pytest.mark.slow
 def test_two_nodes_move_and_verify_the_bytes(tmp_path):
-    port, token = _free_port(), _token(tmp_path, "token", "s3cret")
+    port, token = free_port(), _token(tmp_path, "token", "s3cret")
     host = _node(0, port, token)
     try:
         driver = _node(1, port, token)
@@ -64,12 +58,12 @@ def test_two_nodes_move_and_verify_the_bytes(tmp_path):
 
 @pytest.mark.slow
 def test_wrong_token_is_refused(tmp_path):
-    port = _free_port()
+    port = free_port()
     host = _node(0, port, _token(tmp_path, "token", "s3cret"))
     try:
         wrong = RemotePeer("127.0.0.1", port, b"guess", connect_timeout_s=20.0)
         with pytest.raises(ValueError, match="refused"):
-            wrong.connect("prefill rank 0")
+            wrong.connect((), "prefill ranks")
         RemotePeer("127.0.0.1", port, b"s3cret").finish()
         _, err = host.communicate(timeout=20)
     finally:
@@ -78,7 +72,7 @@ def test_wrong_token_is_refused(tmp_path):
             host.wait()
     assert host.returncode == 0, err
     assert "127.0.0.1 (wrong token)" in err
-    assert "rank process" not in err
+    assert "rank processes" not in err
 
 
 def test_two_node_flags_are_checked(tmp_path, monkeypatch, capsys):

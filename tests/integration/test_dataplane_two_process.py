@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.dataplane_helpers import PeerProcess, digest, expect_pattern, random_ranges
+from tests.support.dataplane import PeerProcess, digest, expect_pattern, random_ranges
 from transfer.dataplane import Op, RangeBatch, make_transport, wait
 from transfer.dataplane.metadata import PeerInfo
 

@@ -13,20 +13,17 @@ import json
 import os
 import subprocess
 import sys
-import time
 import uuid
-from pathlib import Path
 
 import pytest
 
+from tests.support.launch import MAIN, ROOT, assert_no_leftovers
 from transfer.presets import get_preset
-from transfer.serving.procs import LAUNCH_ID_ENV, processes_with_env
+from transfer.serving.procs import LAUNCH_ID_ENV
 from transfer.sizing import CacheDtypes, attention_kv_bytes_per_token, linear_state_bytes
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]
-MAIN = "import sys; from transfer.cli import main; sys.exit(main())"
 REQUESTS = 2
 MAX_TOKENS = 6
 FP32 = CacheDtypes(4, 4, 4)
@@ -59,13 +56,6 @@ def run_launch(args: list[str], timeout_s: float = 300) -> tuple[subprocess.Comp
         timeout=timeout_s,
     )
     return proc, launch_id
-
-
-def assert_no_leftovers(launch_id: str, wait_s: float = 10.0) -> None:
-    deadline = time.monotonic() + wait_s
-    while (left := processes_with_env(LAUNCH_ID_ENV, launch_id)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not left, f"processes of the launch run survived it: {left}"
 
 
 def expected_bytes(model: str, decode_tp: int, num_tokens: int) -> tuple[int, int]:

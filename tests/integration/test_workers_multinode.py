@@ -12,11 +12,11 @@ import pytest
 from transfer.control.client import RouterClient
 from transfer.control.types import GenerateRequest
 from transfer.model.reference import reference_generate
+from transfer.net import free_port
 from transfer.presets import get_preset
 from transfer.serving.procs import (
     LAUNCH_ID_ENV,
     check_health,
-    free_port,
     processes_with_env,
     start_serve,
     stop_all,

@@ -20,10 +20,10 @@ from transfer.control.client import RouterClient
 from transfer.control.errors import ControlError
 from transfer.control.types import GenerateRequest
 from transfer.model.reference import reference_generate
+from transfer.net import free_port
 from transfer.presets import get_preset
 from transfer.serving.procs import (
     LAUNCH_ID_ENV,
-    free_port,
     processes_with_env,
     start_serve,
     stop_all,

@@ -12,7 +12,6 @@ import os
 os.environ["TRITON_INTERPRET"] = "1"
 
 import json  # noqa: E402
-import random  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 
@@ -21,15 +20,42 @@ import torch  # noqa: E402
 
 from kernels.backend import ENV_VAR  # noqa: E402
 
+SEED_VAR = "PDXFER_TEST_SEED"
+DEFAULT_SEED = 20250101
+
+
+def seed_from_env() -> int:
+    """The seed every kernel test starts from: PDXFER_TEST_SEED, else DEFAULT_SEED."""
+    value = os.environ.get(SEED_VAR, "").strip()
+    if not value:
+        return DEFAULT_SEED
+    try:
+        return int(value)
+    except ValueError:
+        raise pytest.UsageError(f"{SEED_VAR}={value!r}: expected an integer") from None
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"kernel tests: {SEED_VAR}={seed_from_env()} (set it to draw other random inputs)"
+
 
 @pytest.fixture(autouse=True)
-def fresh_seed() -> int:
-    """Fresh random inputs on every run; the seed is printed so a failure can be replayed
-    with PDXFER_TEST_SEED."""
-    seed = int(os.environ.get("PDXFER_TEST_SEED", random.SystemRandom().randrange(2**31)))
-    print(f"seed={seed}")
+def seeded() -> int:
+    """Every test draws its random inputs from the same seed, so a run can be repeated; another
+    PDXFER_TEST_SEED draws other inputs. The seed is printed with a failing test's output."""
+    seed = seed_from_env()
+    print(f"{SEED_VAR}={seed}")
     torch.manual_seed(seed)
     return seed
+
+
+@pytest.fixture
+def one_torch_thread():
+    """Tiny shapes gain nothing from threads, and on a shared 2-core box they thrash (40x)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture

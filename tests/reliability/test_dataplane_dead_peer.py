@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.dataplane_helpers import PeerProcess, expect_pattern, fill
+from tests.support.dataplane import PeerProcess, expect_pattern, fill
 from transfer.dataplane import Op, RangeBatch, make_transport, wait
 
 pytestmark = pytest.mark.slow

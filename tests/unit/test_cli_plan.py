@@ -83,3 +83,23 @@ def test_bad_config_names_field(capsys, tmp_path):
     path.write_text(json.dumps(data))
     assert main(["plan", "--hf-config", str(path)]) == 2
     assert "missing field 'kv_lora_rank'" in capsys.readouterr().err
+
+
+def test_ssm_dtype_and_model_dtype(capsys):
+    auto = run_json(capsys, "--model", "qwen3-next-80b-a3b")
+    fp32 = run_json(capsys, "--model", "qwen3-next-80b-a3b", "--ssm-dtype", "float32")
+    assert auto["cache_dtype_bytes"] == {"kv": 2, "ssm": 2, "conv": 2}
+    assert fp32["linear_layer_state_bytes"] == {"ssm": 2 * 1048576, "conv": 49152}
+    tiny = run_json(capsys, "--model", "tiny-qwen3.5", "--gpu-mem", "1GiB")
+    assert (tiny["dtype"], tiny["cache_dtype_bytes"]) == ("float32", {"kv": 4, "ssm": 4, "conv": 4})
+
+
+def test_model_directory(capsys, tmp_path):
+    (tmp_path / "config.json").write_text((FIXTURES / "qwen3_next_config.json").read_text())
+    report = run_json(capsys, "--model", str(tmp_path), "--tp", "4")
+    assert report["linear_layer_state_bytes"] == {"ssm": 262144, "conv": 12288}
+    assert main(["plan", "--model", str(tmp_path / "nope")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    (tmp_path / "config.json").unlink()
+    assert main(["plan", "--model", str(tmp_path)]) == 2
+    assert "has no config.json" in capsys.readouterr().err

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from transfer import errors
 from transfer.control import (
     CompatMismatch,
     ControlConfig,
@@ -144,6 +145,24 @@ def test_ticket_lifecycle_through_the_servicer(setup):
     assert [r for r, _ in freed] == ["r1"] and len(store) == 0
 
 
-def test_status_code_names():
-    assert status_code_name(ControlError("UNAVAILABLE", "x")) == "UNAVAILABLE"
-    assert status_code_name(RuntimeError("boom")) == "INTERNAL"
+@pytest.mark.parametrize(
+    "exc, code",
+    [
+        (ControlError("UNAVAILABLE", "x"), "UNAVAILABLE"),
+        (errors.InvalidInput("x"), "INVALID_ARGUMENT"),
+        (ValueError("x"), "INVALID_ARGUMENT"),
+        (errors.NotFound("x"), "NOT_FOUND"),
+        (UnknownRequest("x"), "NOT_FOUND"),
+        (errors.WrongState("x"), "FAILED_PRECONDITION"),
+        (TicketStateError("x"), "FAILED_PRECONDITION"),
+        (CompatMismatch(["dtypes"], "x"), "FAILED_PRECONDITION"),
+        (errors.CapacityError("x"), "RESOURCE_EXHAUSTED"),
+        (errors.PeerUnavailable("x"), "UNAVAILABLE"),
+        (errors.DeadlineExceeded("x"), "DEADLINE_EXCEEDED"),
+        (errors.TransferFailed("x", settled=True), "ABORTED"),
+        (errors.Closed("x"), "UNAVAILABLE"),
+        (RuntimeError("boom"), "INTERNAL"),
+    ],
+)
+def test_status_code_names(exc, code):
+    assert status_code_name(exc) == code

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from tests.dataplane_helpers import digest, expect_pattern, fill, random_ranges
+from tests.support.dataplane import digest, expect_pattern, fill, random_ranges
 from transfer.dataplane import BACKENDS, Op, RangeBatch, make_transport, wait
+from transfer.errors import Closed, InvalidInput, NotFound, WrongState
 
 ARENA = 8 << 20
 SEED = 11
@@ -93,32 +94,32 @@ def test_bad_posts_raise_value_errors_naming_the_field(pair):
     a, b, _, _ = pair
     ok = RangeBatch.single(0, 0, 16)
     cases = [
-        (("READ", b.name, ok), {}, "op"),
-        ((Op.READ, "nobody", ok), {}, "peer"),
-        ((Op.READ, b.name, [(0, 0, 16)]), {}, "ranges"),
-        ((Op.READ, b.name, RangeBatch.single(ARENA - 8, 0, 16)), {}, r"ranges\.local"),
-        ((Op.WRITE, b.name, RangeBatch.single(0, ARENA, 1)), {}, r"ranges\.remote"),
-        ((Op.READ, b.name, ok, "text"), {}, "notif"),
-        ((Op.READ, b.name, ok, b"x" * 5000), {}, "notif"),
+        (("READ", b.name, ok), InvalidInput, "op"),
+        ((Op.READ, "nobody", ok), NotFound, "peer"),
+        ((Op.READ, b.name, [(0, 0, 16)]), InvalidInput, "ranges"),
+        ((Op.READ, b.name, RangeBatch.single(ARENA - 8, 0, 16)), InvalidInput, r"ranges\.local"),
+        ((Op.WRITE, b.name, RangeBatch.single(0, ARENA, 1)), InvalidInput, r"ranges\.remote"),
+        ((Op.READ, b.name, ok, "text"), InvalidInput, "notif"),
+        ((Op.READ, b.name, ok, b"x" * 5000), InvalidInput, "notif"),
     ]
-    for args, kwargs, field in cases:
-        with pytest.raises(ValueError, match=field):
-            a.post(*args, deadline_s=5, **kwargs)
+    for args, kind, field in cases:
+        with pytest.raises(kind, match=field):
+            a.post(*args, deadline_s=5)
     for deadline in (0, -1, float("inf"), "5"):
-        with pytest.raises(ValueError, match="deadline_s"):
+        with pytest.raises(InvalidInput, match="deadline_s"):
             a.post(Op.READ, b.name, ok, deadline_s=deadline)
-    with pytest.raises(ValueError, match="handle"):
+    with pytest.raises(NotFound, match="handle"):
         a.poll(12345)
     h = a.post(Op.READ, b.name, ok, deadline_s=5)
     wait(a, h)
     a.release(h)
-    with pytest.raises(ValueError, match="handle"):
+    with pytest.raises(NotFound, match="handle"):
         a.release(h)
 
 
 def test_registration_and_peer_errors(pair):
     a, b, arena_a, _ = pair
-    with pytest.raises(ValueError, match="already registered"):
+    with pytest.raises(WrongState, match="already registered"):
         a.register(arena_a)
     with pytest.raises(ValueError, match="itself"):
         a.add_peer(_meta_of(a))
@@ -130,7 +131,7 @@ def test_registration_and_peer_errors(pair):
     finally:
         foreign.close()
     a.remove_peer(b.name)
-    with pytest.raises(ValueError, match="peer"):
+    with pytest.raises(NotFound, match="peer"):
         a.post(Op.READ, b.name, RangeBatch.single(0, 0, 1), deadline_s=5)
 
 
@@ -141,6 +142,13 @@ def _meta_of(transport):
     return PeerInfo(
         transport.backend, transport.name, arena.nbytes, arena.device, 0, arena.address
     ).encode()
+
+
+def test_a_closed_transport_refuses_calls():
+    t = make_transport("local", f"closed{next(_names)}")
+    t.close()
+    with pytest.raises(Closed, match="is closed"):
+        t.register(torch.zeros(4096, dtype=torch.uint8))
 
 
 @pytest.mark.parametrize(

@@ -3,7 +3,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.dataplane_helpers import pattern
+from tests.support.dataplane import pattern
 from transfer.dataplane import RangeBatch
 from transfer.dataplane.metadata import PeerInfo
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from transfer.cache.arena import Arena
+from transfer.cache.head_units import ConvOrder, KVOrder
 from transfer.cache.layout import Layout, LayoutOptions
-from transfer.cache.units import ConvOrder, KVOrder
 from transfer.memplan import StatePlacement
 from transfer.model.caches import ArenaCaches, CacheAccess, LocalCaches
 from transfer.model.reference import reference_model

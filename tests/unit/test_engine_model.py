@@ -13,7 +13,7 @@ from transfer.model.reference import full_sequence_logits, reference_generate, r
 from transfer.model.runner import RankEngine
 from transfer.presets import get_preset
 
-MODELS = ("tiny-qwen3-next", "tiny-kimi-linear")
+MODELS = ("tiny-qwen3-next", "tiny-qwen3.5", "tiny-kimi-linear")
 PROMPT = [5, 77, 301, 12, 9, 480, 33, 2, 141, 64, 7, 250, 18, 99, 3, 411, 27, 8, 300]
 NEW_TOKENS = 6
 BLOCK_SIZE = 8
@@ -49,7 +49,7 @@ class HeadMajorCaches:
                     order = (2, 0, 1, 3) if len(shape) == 4 else (1, 0, 2)
                     base = torch.full([shape[i] for i in order], float("nan"))
                     view = base.permute(*[order.index(i) for i in range(len(shape))])
-                assert view.shape == shape and not view.is_contiguous()
+                assert view.shape == shape and (not view.is_contiguous() or 1 in shape)
                 self.views[layer.index, tensor.name] = view
 
     def kv(self, layer, name):

@@ -2,8 +2,16 @@ import json
 
 import pytest
 
-from transfer.geometry import LayerKind, Role, Segment, Sharding
-from transfer.presets import PRESETS, from_hf_config, get_preset
+from transfer.errors import InvalidInput, NotFound
+from transfer.geometry import LayerKind, Role, Segment, Sharding, canonical_dtype
+from transfer.presets import (
+    PRESETS,
+    TINY_HF_CONFIGS,
+    from_hf_config,
+    from_hf_dict,
+    get_preset,
+    load_geometry,
+)
 
 FIXTURES = __import__("pathlib").Path(__file__).parent / "fixtures"
 
@@ -15,6 +23,7 @@ FIXTURES = __import__("pathlib").Path(__file__).parent / "fixtures"
         ("kimi-linear-48b-a3b", 20, 7, LayerKind.KDA, LayerKind.MLA),
         ("nemotron-nano-12b-v2", 28, 6, LayerKind.MAMBA2, LayerKind.GQA),
         ("tiny-qwen3-next", 6, 2, LayerKind.GDN, LayerKind.GQA),
+        ("tiny-qwen3.5", 4, 2, LayerKind.GDN, LayerKind.GQA),
         ("tiny-kimi-linear", 6, 2, LayerKind.KDA, LayerKind.MLA),
         ("tiny-nemotron-h", 6, 2, LayerKind.MAMBA2, LayerKind.GQA),
     ],
@@ -208,3 +217,69 @@ def test_hf_config_errors_name_the_field(tmp_path, fixture, edit, message):
     with pytest.raises(ValueError) as info:
         from_hf_config(path)
     assert message in str(info.value)
+
+
+def test_tiny_real_presets_are_their_config_documents():
+    for name, config in TINY_HF_CONFIGS.items():
+        assert get_preset(name) == from_hf_dict(config, name)
+        assert get_preset(name).dtype == "float32"
+    kv = get_preset("tiny-qwen3.5").attention_layers[0].cache_tensors()[0].segments[0]
+    assert kv.num_units == 1 and kv.units_on_rank(2, 0) == kv.units_on_rank(2, 1) == range(1)
+    get_preset("tiny-qwen3.5").check_tp(2)
+
+
+def test_dtype_spellings():
+    assert [canonical_dtype(x) for x in ("bf16", "torch.float32", "half", "BFloat16")] == [
+        "bfloat16",
+        "float32",
+        "float16",
+        "bfloat16",
+    ]
+    with pytest.raises(InvalidInput, match="torch_dtype: dtype 'int8' unknown"):
+        canonical_dtype("int8", "torch_dtype")
+
+
+@pytest.mark.parametrize(
+    "fixture, edit, dtypes",
+    [
+        ("qwen3_next_config.json", {}, ("bfloat16", None)),
+        ("qwen3_next_config.json", {"torch_dtype": "float32"}, ("float32", None)),
+        (
+            "qwen3_next_config.json",
+            {"dtype": "bfloat16", "torch_dtype": "float32"},
+            ("bfloat16", None),
+        ),
+        ("qwen3_next_config.json", {"mamba_ssm_dtype": "float32"}, ("bfloat16", "float32")),
+        ("nemotron_h_config.json", {"mamba_ssm_cache_dtype": "float32"}, ("bfloat16", "float32")),
+        ("kimi_linear_config.json", {"torch_dtype": "float16"}, ("float16", None)),
+    ],
+)
+def test_hf_config_dtypes(tmp_path, fixture, edit, dtypes):
+    data = {**json.loads((FIXTURES / fixture).read_text()), **edit}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(data))
+    geometry = from_hf_config(path)
+    assert (geometry.dtype, geometry.ssm_dtype) == dtypes
+
+
+def test_nested_text_config(tmp_path):
+    text = json.loads((FIXTURES / "qwen3_next_config.json").read_text())
+    data = {"model_type": "qwen3_5", "text_config": {**text, "model_type": "qwen3_5_text"},
+            "torch_dtype": "float32"}  # fmt: skip
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(data))
+    geometry = from_hf_config(path)
+    assert geometry.layers == get_preset("qwen3-next-80b-a3b").layers
+    assert geometry.dtype == "float32"  # the outer torch_dtype when text_config has none
+
+
+def test_load_geometry_from_a_directory(tmp_path):
+    (tmp_path / "config.json").write_text((FIXTURES / "qwen3_next_config.json").read_text())
+    assert load_geometry(str(tmp_path)).layers == get_preset("qwen3-next-80b-a3b").layers
+    with pytest.raises(NotFound, match="model: .*does not exist"):
+        load_geometry(str(tmp_path / "missing"))
+    (tmp_path / "config.json").unlink()
+    with pytest.raises(InvalidInput, match="has no config.json"):
+        load_geometry(str(tmp_path))
+    with pytest.raises(InvalidInput, match="exactly one of"):
+        load_geometry("tiny-qwen3.5", str(tmp_path))

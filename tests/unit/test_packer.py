@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
+from tests.support.packer_reference import apply_memcpy, check_transfer
 from transfer.cache import CachePools, KVOrder, Layout, LayoutOptions
 from transfer.geometry import GQASpec, LayerSpec, MLASpec, ModelGeometry
 from transfer.memplan import plan_memory
 from transfer.packer import Mode, StagingPolicy, TransferRequest, plan_transfer
-from transfer.packer.reference import apply_memcpy, check_transfer
 from transfer.packer.staging import gather_staging, scatter_staging
 from transfer.presets import PRESETS, get_preset
 from transfer.sizing import CacheDtypes, size_model

@@ -15,6 +15,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.support.packer_reference import check_transfer
 from transfer.cache import (
     BlockPool,
     ConvOrder,
@@ -36,7 +37,6 @@ from transfer.geometry import (
 )
 from transfer.memplan import StatePlacement
 from transfer.packer import StagingPolicy, TransferRequest, plan_transfer
-from transfer.packer.reference import check_transfer
 from transfer.sizing import CacheDtypes
 
 TPS = (1, 2, 3, 4, 6)

@@ -8,6 +8,7 @@ import threading
 import pytest
 
 from transfer.cache import BlockPool, CacheFullError, CachePools, SlotPool, fragment
+from transfer.errors import CapacityError, NotFound
 from transfer.memplan import plan_memory
 from transfer.presets import get_preset
 
@@ -29,10 +30,11 @@ def test_allocation_is_all_or_nothing():
     pool = BlockPool(4)
     pool.allocate(3, request_id="a")
     before = _state(pool)
-    with pytest.raises(CacheFullError, match="cannot allocate 2 blocks: 1 of 4 free"):
+    with pytest.raises(CacheFullError, match="cannot allocate 2 blocks: 1 of 4 free") as info:
         pool.allocate(2, request_id="b")
+    assert isinstance(info.value, CapacityError) and not isinstance(info.value, ValueError)
     assert _state(pool) == before
-    with pytest.raises(ValueError, match="no block table"):
+    with pytest.raises(NotFound, match="no block table"):
         pool.block_table("b")
 
 

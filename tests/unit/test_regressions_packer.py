@@ -1,4 +1,4 @@
-"""One named test per packer bug that shipped in SGLang or vLLM (REFERENCE.md §5: 1, 2, 3, 7, 8, 9).
+"""One named test per packer bug that shipped in SGLang or vLLM (docs/bugs.md #1, #2, #3, #7, #8, #9).
 
 Where it helps, a test also shows that the byte check catches the bug's symptom: it
 overlays the buggy copy on top of a correct transfer and expects a reported problem.
@@ -9,10 +9,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tests.support.packer_reference import apply_memcpy, check_transfer
 from transfer.cache import Layout, LayoutOptions
 from transfer.geometry import GDNSpec, GQASpec, KDASpec, LayerSpec, Mamba2Spec, ModelGeometry
 from transfer.packer import StagingPolicy, TransferRequest, plan_transfer
-from transfer.packer.reference import apply_memcpy, check_transfer
 from transfer.sizing import size_model
 
 

@@ -3,7 +3,7 @@ import pytest
 from transfer.presets import get_preset
 from transfer.sizing import CacheDtypes, size_model
 
-# Expected values written out from REFERENCE.md §2's formulas by hand, not by this code.
+# Expected values written out by hand from docs/reference.md #2's formulas, not by this code.
 # (ssm, conv, attention bytes per token) per TP degree.
 EXPECTED = {
     "qwen3-next-80b-a3b": {

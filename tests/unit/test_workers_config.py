@@ -33,9 +33,9 @@ def test_instance_config_rejects_bad_tp_and_multinode_without_rendezvous():
     geometry = get_preset("tiny-kimi-linear")
     with pytest.raises(ValueError, match="tp=3 does not divide"):
         InstanceConfig("decode", geometry, 3)
-    with pytest.raises(ValueError, match="--dist-addr"):
+    with pytest.raises(ValueError, match="dist_addr"):
         InstanceConfig("decode", geometry, 2, nnodes=2)
-    with pytest.raises(ValueError, match="--nnodes 4 must divide --tp 2"):
+    with pytest.raises(ValueError, match="nnodes: 4 must divide tp 2"):
         InstanceConfig("decode", geometry, 2, nnodes=4, dist_addr="10.0.0.1:29500")
 
 

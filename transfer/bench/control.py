@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import multiprocessing
 import threading
 import time
+
+from transfer.stats import percentile
 
 WARMUP = 200
 BLOCKS_PER_TICKET = 4
@@ -158,17 +159,12 @@ def _loaded(address: str, tickets: list, concurrency: int) -> tuple[list[float],
 def _summary(latencies_ms: list[float], elapsed_s: float) -> dict:
     ordered = sorted(latencies_ms)
     return {
-        "p50_ms": _percentile(ordered, 50),
-        "p99_ms": _percentile(ordered, 99),
+        "p50_ms": percentile(ordered, 50),
+        "p99_ms": percentile(ordered, 99),
         "mean_ms": sum(ordered) / len(ordered),
         "tickets_per_s": len(ordered) / elapsed_s,
         "rpcs_per_s": 2 * len(ordered) / elapsed_s,
     }
-
-
-def _percentile(ordered: list[float], p: float) -> float:
-    """Nearest-rank percentile of an ascending list."""
-    return ordered[max(0, math.ceil(p / 100 * len(ordered)) - 1)]
 
 
 def _serve_tickets(conn, names: list[str]) -> None:

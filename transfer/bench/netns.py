@@ -90,8 +90,3 @@ class TwoNodes:
                 ["ip", "netns", "delete", namespace], capture_output=True, timeout=30, check=False
             )
         atexit.unregister(self.remove)
-
-
-def list_namespaces() -> list[str]:
-    result = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30)
-    return [line.split()[0] for line in result.stdout.splitlines() if line.strip()]

@@ -10,13 +10,23 @@ three alike.
 from __future__ import annotations
 
 import contextlib
-import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
 
-from transfer.bench.transfer_procs import RankHandle, RankProcess, call_all, stop_all
+from transfer.bench.transfer_rank import (
+    BUILD,
+    AddPeers,
+    BenchRankSpec,
+    Checksum,
+    Drop,
+    Info,
+    Prepare,
+    ReadItem,
+    Run,
+    Zero,
+)
 from transfer.bench.transfer_remote import RemotePeer
 from transfer.bench.transfer_setup import (
     Instances,
@@ -27,9 +37,12 @@ from transfer.bench.transfer_setup import (
     staging_need,
 )
 from transfer.geometry import ModelGeometry
+from transfer.serving.ranks import STOP_TIMEOUT_S, RankGroup, RankLink
+from transfer.stats import percentile
 
 MODES = ("ours", "raw", "naive")
 SETUP_TIMEOUT_S = 600.0
+CALL_TIMEOUT_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -67,23 +80,36 @@ def placement(nodes: str, peer: RemotePeer | None = None) -> Iterator[tuple]:
         yield pair
 
 
-def _start(label: str, node) -> RankHandle:
-    if isinstance(node, RemotePeer):
-        return node.connect(label)
-    return RankProcess(label, node.wrap if node else None)
-
-
-def _options(settings: Settings, node) -> dict:
+def _options(settings: Settings, node) -> tuple[tuple[str, str], ...]:
     if node is None or isinstance(node, RemotePeer):
-        return {"tls": settings.tls} if settings.tls else {}
+        return (("tls", settings.tls),) if settings.tls else ()
     # Force the veth: on one box UCX would otherwise pick shared memory across namespaces.
-    return {"tls": settings.tls or "tcp", "net_devices": node.device}
+    return (("tls", settings.tls or "tcp"), ("net_devices", node.device))
 
 
-def percentile(values: Sequence[float], p: float) -> float:
-    """Nearest-rank percentile."""
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(p / 100 * len(ordered)) - 1)]
+class Side:
+    """The ranks of one side, wherever they run: here, in a namespace, or on node 0."""
+
+    def __init__(self, specs: list[BenchRankSpec], node, label: str) -> None:
+        self.size = len(specs)
+        self.group: RankGroup | None = None
+        if isinstance(node, RemotePeer):
+            self.link: RankLink = node.connect(specs, label)
+            return
+        wrap = node.wrap if node is not None else None
+        self.group = RankGroup(
+            specs, BUILD, wrap=wrap, label=label, start_timeout_s=SETUP_TIMEOUT_S
+        )
+        self.link = self.group.link
+
+    def call(self, command, timeout_s: float = CALL_TIMEOUT_S) -> list:
+        return self.link.call(command, timeout_s)
+
+    def stop(self) -> None:
+        if self.group is not None:
+            self.group.close()
+        else:
+            self.link.stop(wait_s=STOP_TIMEOUT_S)
 
 
 class PairRun:
@@ -91,97 +117,80 @@ class PairRun:
 
     def __init__(self, instances: Instances, settings: Settings, nodes: tuple, log: Log) -> None:
         self.instances, self.settings, self.log, self.nodes = instances, settings, log, nodes
-        self.prefill: list[RankHandle] = []
-        self.decode: list[RankHandle] = []
-        self.peers: list[list[str]] = []
+        self.sides: list[Side] = []
+
+    @property
+    def prefill(self) -> Side:
+        return self.sides[0]
+
+    @property
+    def decode(self) -> Side:
+        return self.sides[1]
+
+    def _specs(self, role: str, tp: int, node) -> list[BenchRankSpec]:
+        tag = f"{len(self.instances.prefill)}x{len(self.instances.decode)}"
+        return [
+            BenchRankSpec(
+                role=role,
+                name=f"bench-{role[0]}{r}-{tag}",
+                rank=r,
+                tp=tp,
+                arena_bytes=self.instances.arena_bytes(role),
+                backend=self.settings.transport,
+                options=_options(self.settings, node),
+                seed=self.settings.seed + r if role == "prefill" else 0,
+            )
+            for r in range(tp)
+        ]
 
     def start(self) -> None:
         p_node, d_node = self.nodes
-        for r in range(len(self.instances.prefill)):
-            self.prefill.append(_start(f"prefill rank {r}", p_node))
-        for r in range(len(self.instances.decode)):
-            self.decode.append(_start(f"decode rank {r}", d_node))
-        p_options, d_options = _options(self.settings, p_node), _options(self.settings, d_node)
-        tag = f"{len(self.prefill)}x{len(self.decode)}"
-        setups = [
-            dict(
-                role="prefill",
-                name=f"bench-p{r}-{tag}",
-                arena_bytes=self.instances.arena_bytes("prefill"),
-                backend=self.settings.transport,
-                options=p_options,
-                seed=self.settings.seed + r,
-            )
-            for r in range(len(self.prefill))
-        ] + [
-            dict(
-                role="decode",
-                name=f"bench-d{r}-{tag}",
-                arena_bytes=self.instances.arena_bytes("decode"),
-                backend=self.settings.transport,
-                options=d_options,
-                seed=0,
-            )
-            for r in range(len(self.decode))
-        ]
-        metadata = call_all(self.prefill + self.decode, "setup", SETUP_TIMEOUT_S, setups)
-        p_meta = metadata[: len(self.prefill)]
-        self.peers = call_all(
-            self.decode, "add_peers", 120.0, [dict(metadata=p_meta)] * len(self.decode)
-        )
+        p_tp, d_tp = len(self.instances.prefill), len(self.instances.decode)
+        self.sides.append(Side(self._specs("prefill", p_tp, p_node), p_node, "prefill ranks"))
+        self.sides.append(Side(self._specs("decode", d_tp, d_node), d_node, "decode ranks"))
+        metadata = tuple(self.prefill.call(Info(), SETUP_TIMEOUT_S))
+        self.decode.call(AddPeers(metadata), SETUP_TIMEOUT_S)
 
     def stop(self) -> None:
         # Decode first: a read still in flight finishes before its source goes away.
-        stop_all(self.decode)
-        stop_all(self.prefill)
+        for side in reversed(self.sides):
+            side.stop()
 
     # -- one request ----------------------------------------------------------------------
 
-    def _prepare(self, transfers: Transfers) -> dict[str, list[int]]:
-        """Send every rank its jobs; returns which prefill ranks gather for `ours`."""
+    def _prepare(self, transfers: Transfers) -> dict[str, bool]:
+        """Send every rank its jobs; returns whether any prefill rank gathers, per mode."""
         from transfer.dataplane import RangeBatch
 
-        gathers: dict[int, list] = {}
-        for d, plan in enumerate(transfers.ours):
+        gathers: list[list] = [[] for _ in range(self.prefill.size)]
+        ours = []
+        for plan in transfers.ours:
             items = []
             for source in plan.sources:
                 wire = source.wire
                 batch = RangeBatch(wire.dst, wire.src, wire.lengths)
-                items.append(
-                    (
-                        self.peers[d][source.prefill_rank],
-                        batch,
-                        source if len(source.scatter) else None,
-                    )
-                )
+                staged = source if len(source.scatter) else None
+                items.append(ReadItem(source.prefill_rank, batch, staged))
                 if len(source.gather):
-                    gathers.setdefault(source.prefill_rank, []).append(source)
-            self.decode[d].call("prepare", job="ours", kind="read", items=items)
-            for mode in ("raw", "naive"):
-                items = [
-                    (self.peers[d][p], RangeBatch(dst, src, lengths), None)
-                    for p, src, dst, lengths in getattr(transfers, mode)[d]
-                ]
-                self.decode[d].call("prepare", job=mode, kind="read", items=items)
-        for p, sources in gathers.items():
-            self.prefill[p].call("prepare", job="ours", kind="gather", items=sources)
-        return {"ours": sorted(gathers), "raw": [], "naive": []}
-
-    def _run(self, mode: str, gathering: list[int]) -> float:
-        timeout = self.settings.deadline_s + 60.0
-        gather = 0.0
-        if gathering:
-            ranks = [self.prefill[p] for p in gathering]
-            gather = max(
-                call_all(
-                    ranks,
-                    "run",
-                    timeout,
-                    [dict(job=mode, deadline_s=self.settings.deadline_s)] * len(ranks),
+                    gathers[source.prefill_rank].append(source)
+            ours.append(tuple(items))
+        self.decode.call(Prepare("ours", "read", tuple(ours)))
+        for mode in ("raw", "naive"):
+            items = tuple(
+                tuple(
+                    ReadItem(p, RangeBatch(dst, src, lengths)) for p, src, dst, lengths in per_rank
                 )
+                for per_rank in getattr(transfers, mode)
             )
-        kwargs = [dict(job=mode, deadline_s=self.settings.deadline_s)] * len(self.decode)
-        return gather + max(call_all(self.decode, "run", timeout, kwargs))
+            self.decode.call(Prepare(mode, "read", items))
+        self.prefill.call(Prepare("ours", "gather", tuple(tuple(g) for g in gathers)))
+        return {"ours": any(gathers), "raw": False, "naive": False}
+
+    def _run(self, mode: str, gathering: bool) -> float:
+        timeout = self.settings.deadline_s + 60.0
+        command = Run(mode, self.settings.deadline_s)
+        gather = max(self.prefill.call(command, timeout)) if gathering else 0.0
+        return gather + max(self.decode.call(command, timeout))
 
     def _verify(self, mode: str, transfers: Transfers) -> None:
         """Compare a CRC of the bytes each decode rank received, range by range, with the
@@ -193,21 +202,16 @@ class PairRun:
             ]
         else:
             pairs = list(getattr(transfers, mode))
-        d_groups = [[(dst, lengths) for _, _, dst, lengths in ranges] for ranges in pairs]
-        p_groups: list[list] = [[] for _ in self.prefill]
+        d_groups = tuple(tuple((dst, lengths) for _, _, dst, lengths in r) for r in pairs)
+        p_groups: list[list] = [[] for _ in range(self.prefill.size)]
         where: list[list[tuple[int, int]]] = []
         for ranges in pairs:
             where.append([])
             for p, src, _, lengths in ranges:
                 where[-1].append((p, len(p_groups[p])))
                 p_groups[p].append((src, lengths))
-        sums = call_all(
-            self.decode + self.prefill,
-            "checksum",
-            300.0,
-            [dict(groups=g) for g in d_groups + p_groups],
-        )
-        d_sums, p_sums = sums[: len(self.decode)], sums[len(self.decode) :]
+        d_sums = self.decode.call(Checksum(d_groups))
+        p_sums = self.prefill.call(Checksum(tuple(tuple(g) for g in p_groups)))
         for d, sums in enumerate(d_sums):
             for got, (p, i) in zip(sums, where[d], strict=True):
                 if got != p_sums[p][i]:
@@ -219,7 +223,7 @@ class PairRun:
     def measure(self, transfers: Transfers, label: str) -> dict[str, list[float]]:
         gathering = self._prepare(transfers)
         for mode in MODES:
-            call_all(self.decode, "zero", 120.0)
+            self.decode.call(Zero())
             self._run(mode, gathering[mode])
             self._verify(mode, transfers)
         self.log(f"{label}: ours, raw and naive moved the right bytes")
@@ -229,8 +233,8 @@ class PairRun:
                 times[mode].append(self._run(mode, gathering[mode]))
             self.log(f"{label}: repeat {repeat + 1}/{self.settings.repeats}")
         for mode in MODES:
-            call_all(self.decode, "drop", 60.0, [dict(job=mode)] * len(self.decode))
-        call_all(self.prefill, "drop", 60.0, [dict(job="ours")] * len(self.prefill))
+            self.decode.call(Drop(mode))
+        self.prefill.call(Drop("ours"))
         return times
 
 

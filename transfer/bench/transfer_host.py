@@ -1,23 +1,22 @@
 """Node 0 of a two-node `pdxfer bench transfer`: the rank host.
 
-It listens on every address; each connection that passes the token check gets its own
-`transfer_rank` process, and the host relays bytes between the socket and the process's
-stdin/stdout until either side closes. It returns once the driver says `done`, or once
-it has been idle (no connection) for `idle_exit_s` after at least one session.
+It listens on every address; each connection that passes the token check names the specs
+of a group of rank processes, which the host starts with the connection handed to their
+rank 0, so the driver commands them directly. It returns once the driver says `done`, or
+once it has been idle (no connection) for `idle_exit_s` after at least one session.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
+import pickle
 import socket
-import subprocess
 import threading
 import time
 from collections.abc import Callable
 
-from transfer.bench.transfer_procs import RANK_ARGV, ROOT, STOP_TIMEOUT_S, rank_env
-from transfer.bench.transfer_remote import ACCEPTED, check_peer
+from transfer.bench.transfer_rank import BUILD
+from transfer.bench.transfer_remote import ACCEPTED, MAX_SPECS_BYTES, check_peer, recv_frame
+from transfer.serving.ranks import RankGroup
 
 IDLE_EXIT_S = 600.0
 
@@ -30,31 +29,15 @@ def _listen(port: int) -> socket.socket:
     return socket.create_server(("", port))
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    """End of stdin first (the rank closes its transport), then terminate, then kill."""
-    with contextlib.suppress(OSError):
-        proc.stdin.close()
-    for step in (None, proc.terminate, proc.kill):
-        if step is not None:
-            step()
-        try:
-            proc.wait(STOP_TIMEOUT_S)
-            break
-        except subprocess.TimeoutExpired:
-            continue
-    with contextlib.suppress(OSError):
-        proc.stdout.close()
-
-
 class RankHost:
-    """Accepts driver connections and serves one rank process per connection."""
+    """Accepts driver connections and serves one rank group per connection."""
 
     def __init__(self, port: int, token: bytes | None, log: Log) -> None:
         self.token, self.log = token, log
         self.server = _listen(port)
         self.server.settimeout(0.5)
         self.lock = threading.Lock()
-        self.children: dict[int, subprocess.Popen] = {}
+        self.groups: list[RankGroup] = []
         self.active = self.sessions = 0
         self.done = threading.Event()
 
@@ -87,9 +70,9 @@ class RankHost:
     def close(self) -> None:
         self.server.close()
         with self.lock:
-            children = list(self.children.values())
-        for proc in children:
-            _stop(proc)
+            groups = list(self.groups)
+        for group in groups:
+            group.close()
 
     def _session(self, conn: socket.socket, address) -> None:
         with conn:
@@ -97,48 +80,30 @@ class RankHost:
             if purpose is None:
                 self.log(f"rank host: refused {address[0]} (wrong token)")
                 return
+            conn.sendall(ACCEPTED)
             if purpose == "done":
                 self.log(f"rank host: {address[0]} is done")
                 self.done.set()
-                conn.sendall(ACCEPTED)
                 return
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            proc = subprocess.Popen(
-                RANK_ARGV, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=rank_env(), cwd=ROOT
-            )
+            frame = recv_frame(conn, MAX_SPECS_BYTES)
+            if frame is None:
+                self.log(f"rank host: {address[0]} sent no rank specs")
+                return
+            specs = pickle.loads(frame)  # the token matched: the driver is trusted
             with self.lock:
-                self.children[proc.pid] = proc
                 self.active += 1
                 self.sessions += 1
-            self.log(f"rank host: rank process {proc.pid} for {address[0]}")
             try:
-                conn.sendall(ACCEPTED)
-                self._relay(conn, proc)
-            finally:
-                _stop(proc)
+                group = RankGroup(specs, BUILD, rank0_socket=conn, label="bench ranks")
                 with self.lock:
-                    self.children.pop(proc.pid, None)
+                    self.groups.append(group)
+                pids = ", ".join(str(p.pid) for p in group.procs)
+                self.log(f"rank host: rank processes {pids} for {address[0]}")
+                group.join()  # rank 0 stops the group when the driver closes the connection
+                group.close()
+                codes = ", ".join(str(p.returncode) for p in group.procs)
+                self.log(f"rank host: rank processes {pids} ended ({codes})")
+            finally:
+                with self.lock:
                     self.active -= 1
-                self.log(f"rank host: rank process {proc.pid} ended ({proc.returncode})")
-
-    @staticmethod
-    def _relay(conn: socket.socket, proc: subprocess.Popen) -> None:
-        """Socket -> stdin on a thread, stdout -> socket here, until either side closes."""
-
-        def inbound() -> None:
-            with contextlib.suppress(OSError):
-                while chunk := conn.recv(1 << 20):
-                    proc.stdin.write(chunk)
-                    proc.stdin.flush()
-            with contextlib.suppress(OSError):
-                proc.stdin.close()
-
-        thread = threading.Thread(target=inbound, daemon=True)
-        thread.start()
-        fd = proc.stdout.fileno()
-        with contextlib.suppress(OSError):
-            while chunk := os.read(fd, 1 << 20):
-                conn.sendall(chunk)
-        with contextlib.suppress(OSError):
-            conn.shutdown(socket.SHUT_RDWR)
-        thread.join(STOP_TIMEOUT_S)

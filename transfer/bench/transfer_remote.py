@@ -3,28 +3,35 @@
 Node 1 (the driver) reaches node 0 (`transfer_host`) over TCP. Every connection opens
 with the shared token, sent as raw bytes and checked before anything is unpickled: rank
 commands are pickles, and pickle from an unauthenticated peer is remote code execution.
-Then comes the purpose: `rank` (relay to a fresh rank process) or `done` (the driver has
-finished; the host may exit).
+Then comes the purpose: `ranks` (start a group of rank processes, whose specs follow, and
+hand rank 0 this connection) or `done` (the driver has finished; the host may exit).
 """
 
 from __future__ import annotations
 
 import contextlib
 import hmac
+import pickle
 import socket
+import struct
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from multiprocessing.connection import Connection
 
-from transfer.bench.transfer_procs import RankSocket
-from transfer.bench.transfer_rank import HEADER
+from transfer.bench.transfer_rank import BenchRankSpec
 from transfer.control.auth import load_token
+from transfer.serving.ranks import RankLink
 
 CONNECT_TIMEOUT_S = 300.0
 HANDSHAKE_TIMEOUT_S = 30.0
 FINISH_TIMEOUT_S = 10.0
+START_TIMEOUT_S = 600.0
 MAX_TOKEN_BYTES = 4096
+MAX_SPECS_BYTES = 1 << 20
+HEADER = struct.Struct("<Q")
 ACCEPTED, REFUSED = b"Y", b"N"
-PURPOSES = ("rank", "done")
+PURPOSES = ("ranks", "done")
 
 
 def read_token(path: str | None) -> bytes | None:
@@ -120,9 +127,22 @@ class RemotePeer:
             )
         return sock
 
-    def connect(self, label: str) -> RankSocket:
-        """A rank process started on node 0 for this connection."""
-        return RankSocket(label, self._open("rank"))
+    def connect(self, specs: Sequence[BenchRankSpec], label: str) -> RankLink:
+        """Rank processes started on node 0 for this connection, and the link to their
+        rank 0 (once they are up)."""
+        sock = self._open("ranks")
+        try:
+            send_frame(sock, pickle.dumps(tuple(specs), protocol=pickle.HIGHEST_PROTOCOL))
+        except OSError:
+            sock.close()
+            raise
+        link = RankLink(Connection(sock.detach()), label)
+        try:
+            link.receive("start", START_TIMEOUT_S)
+        except BaseException:
+            link.stop()
+            raise
+        return link
 
     def finish(self) -> None:
         """Tell node 0 the run is over, so it exits 0; a host already gone is fine."""

@@ -5,16 +5,10 @@
 
 from typing import TYPE_CHECKING
 
+from transfer.cache.fragment import fragment
+from transfer.cache.head_units import ConvOrder, KVOrder, KVUnit, LayoutOptions, SSMOrder, StateUnit
 from transfer.cache.layout import LAYOUT_VERSION, Layout
-from transfer.cache.pools import (
-    BlockPool,
-    CacheFullError,
-    CachePools,
-    RequestCache,
-    SlotPool,
-    fragment,
-)
-from transfer.cache.units import ConvOrder, KVOrder, KVUnit, LayoutOptions, SSMOrder, StateUnit
+from transfer.cache.pools import BlockPool, CacheFullError, CachePools, RequestCache, SlotPool
 
 __all__ = [
     "LAYOUT_VERSION",

@@ -16,14 +16,15 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from transfer.cache.codec import geometry_hash, geometry_to_dict, layout_kwargs
-from transfer.cache.state_units import build_state_units
-from transfer.cache.units import (
+from transfer.cache.head_units import (
     KVUnit,
     LayoutOptions,
     StateUnit,
     align,
     build_kv_units,
 )
+from transfer.cache.state_units import build_state_units
+from transfer.errors import InvalidInput
 from transfer.geometry import ModelGeometry
 from transfer.memplan import MemoryPlan
 from transfer.sizing import CacheDtypes
@@ -67,18 +68,18 @@ class Layout:
         ):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{field} must be an integer >= {low}, got {value!r}")
+                raise InvalidInput(f"{field} must be an integer >= {low}, got {value!r}")
         for field in ("kv_reserved_bytes", "state_reserved_bytes"):
             value = getattr(self, field)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-                raise ValueError(f"{field} must be an integer or None, got {value!r}")
+                raise InvalidInput(f"{field} must be an integer or None, got {value!r}")
         if self.rank >= self.tp:
-            raise ValueError(f"rank {self.rank} out of range for tp={self.tp}")
+            raise InvalidInput(f"rank {self.rank} out of range for tp={self.tp}")
         if self.version != LAYOUT_VERSION:
-            raise ValueError(f"version {self.version} unsupported (this build: {LAYOUT_VERSION})")
+            raise InvalidInput(f"version {self.version} unsupported (this build: {LAYOUT_VERSION})")
         for field in ("kv", "ssm", "conv"):
             if getattr(self.dtypes, field) not in (1, 2, 4, 8):
-                raise ValueError(f"dtypes.{field}: element size must be 1, 2, 4 or 8 bytes")
+                raise InvalidInput(f"dtypes.{field}: element size must be 1, 2, 4 or 8 bytes")
         self.geometry.check_tp(self.tp)
         for field, natural in (
             ("kv_reserved_bytes", self._kv[1]),
@@ -86,7 +87,7 @@ class Layout:
         ):
             reserved = getattr(self, field)
             if reserved is not None and reserved < natural:
-                raise ValueError(f"{field}={reserved} is below the {natural} B the units need")
+                raise InvalidInput(f"{field}={reserved} is below the {natural} B the units need")
 
     @classmethod
     def from_memplan(
@@ -150,10 +151,6 @@ class Layout:
         )
         offset = self.state_offset
         return tuple(dataclasses.replace(u, base=u.base + offset) for u in units), size
-
-    @property
-    def kv_offset(self) -> int:
-        return 0
 
     @property
     def kv_region_bytes(self) -> int:
@@ -274,7 +271,7 @@ class Layout:
 
     @classmethod
     def from_dict(cls, data: Any) -> Layout:
-        """The inverse of `to_dict`; malformed input raises ValueError naming the field."""
+        """The inverse of `to_dict`; malformed input raises InvalidInput naming the field."""
         return cls(**layout_kwargs(data))
 
     def compat_fields(self) -> dict[str, Any]:

@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import heapq
 import math
-import random
 import threading
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
+from transfer.errors import CapacityError, InvalidInput, NotFound
 from transfer.memplan import MemoryPlan
 
 
-class CacheFullError(ValueError):
+class CacheFullError(CapacityError):
     """The pool has too few free blocks or slots; nothing was allocated."""
 
 
@@ -27,7 +27,7 @@ class _IdPool:
 
     def __init__(self, size: int, what: str) -> None:
         if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-            raise ValueError(f"num_{what}s must be an integer >= 0, got {size!r}")
+            raise InvalidInput(f"num_{what}s must be an integer >= 0, got {size!r}")
         self.size = size
         self.what = what
         self._heap: list[int] = []
@@ -40,7 +40,7 @@ class _IdPool:
 
     def take(self, n: int) -> list[int]:
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"number of {self.what}s must be an integer >= 0, got {n!r}")
+            raise InvalidInput(f"number of {self.what}s must be an integer >= 0, got {n!r}")
         if n > self.num_free:
             raise CacheFullError(
                 f"cannot allocate {n} {self.what}s: {self.num_free} of {self.size} free"
@@ -57,11 +57,11 @@ class _IdPool:
         ids = list(ids)
         for i in ids:
             if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.size:
-                raise ValueError(f"{field}: {self.what} id {i!r} out of range [0, {self.size})")
+                raise InvalidInput(f"{field}: {self.what} id {i!r} out of range [0, {self.size})")
             if i not in self.refs:
-                raise ValueError(f"{field}: {self.what} {i} is not allocated")
+                raise InvalidInput(f"{field}: {self.what} {i} is not allocated")
         if len(set(ids)) != len(ids):
-            raise ValueError(f"{field}: duplicate {self.what} ids")
+            raise InvalidInput(f"{field}: duplicate {self.what} ids")
         return ids
 
     def release(self, ids: Iterable[int]) -> list[int]:
@@ -120,8 +120,6 @@ class BlockPool:
         with self._lock:
             return self._ids.release(self._ids.check_held(ids, "free"))
 
-    decref = free
-
     def refcount(self, block: int) -> int:
         with self._lock:
             return self._ids.refs.get(block, 0)
@@ -129,14 +127,14 @@ class BlockPool:
     def block_table(self, request_id: Hashable) -> tuple[int, ...]:
         with self._lock:
             if request_id not in self._tables:
-                raise ValueError(f"request_id {request_id!r} has no block table")
+                raise NotFound(f"request_id {request_id!r} has no block table")
             return tuple(self._tables[request_id])
 
     def free_request(self, request_id: Hashable) -> list[int]:
         """Decref the request's whole table and forget it."""
         with self._lock:
             if request_id not in self._tables:
-                raise ValueError(f"request_id {request_id!r} has no block table")
+                raise NotFound(f"request_id {request_id!r} has no block table")
             return self._ids.release(self._tables.pop(request_id))
 
 
@@ -150,10 +148,10 @@ class SlotPool:
             ("spec_slots_per_request", spec_slots_per_request),
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{field} must be an integer >= 0, got {value!r}")
+                raise InvalidInput(f"{field} must be an integer >= 0, got {value!r}")
         self.group = 1 + spec_slots_per_request
         if num_slots % self.group:
-            raise ValueError(
+            raise InvalidInput(
                 f"num_slots={num_slots} is not a multiple of 1 + spec_slots_per_request={self.group}"
             )
         self.num_total = num_slots
@@ -174,7 +172,7 @@ class SlotPool:
         """The slots of one request: `[slot, spec slot 1, ...]`, adjacent ids."""
         with self._lock:
             if request_id is not None and request_id in self._owners:
-                raise ValueError(f"request_id {request_id!r} already holds slots")
+                raise InvalidInput(f"request_id {request_id!r} already holds slots")
             try:
                 (group,) = self._groups.take(1)
             except CacheFullError:
@@ -198,20 +196,20 @@ class SlotPool:
             or slots[0] % self.group
             or slots != list(range(slots[0], slots[0] + self.group))
         ):
-            raise ValueError(f"slots: {slots} is not one request's {self.group} adjacent slots")
+            raise InvalidInput(f"slots: {slots} is not one request's {self.group} adjacent slots")
         self._groups.check_held([slots[0] // self.group], "slots")
         return slots[0] // self.group
 
     def slots(self, request_id: Hashable) -> tuple[int, ...]:
         with self._lock:
             if request_id not in self._owners:
-                raise ValueError(f"request_id {request_id!r} holds no slots")
+                raise NotFound(f"request_id {request_id!r} holds no slots")
             return tuple(self._owners[request_id])
 
     def free_request(self, request_id: Hashable) -> None:
         with self._lock:
             if request_id not in self._owners:
-                raise ValueError(f"request_id {request_id!r} holds no slots")
+                raise NotFound(f"request_id {request_id!r} holds no slots")
             self._groups.release([self._group_of(self._owners.pop(request_id))])
 
 
@@ -238,7 +236,7 @@ class CachePools:
         uses_slots: bool = True,
     ) -> None:
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-            raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
+            raise InvalidInput(f"block_size must be an integer >= 1, got {block_size!r}")
         self.block_size = block_size
         self.blocks = BlockPool(num_blocks)
         self.slots = SlotPool(num_slots, spec_slots_per_request)
@@ -265,10 +263,10 @@ class CachePools:
     def allocate(self, request_id: Hashable, num_tokens: int) -> RequestCache:
         """Blocks for `num_tokens` plus the request's slots, or CacheFullError and no change."""
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
-            raise ValueError(f"num_tokens must be an integer >= 1, got {num_tokens!r}")
+            raise InvalidInput(f"num_tokens must be an integer >= 1, got {num_tokens!r}")
         with self._lock:
             if request_id in self._requests:
-                raise ValueError(f"request_id {request_id!r} already allocated")
+                raise InvalidInput(f"request_id {request_id!r} already allocated")
             need = self.blocks_for(num_tokens)
             if not self.blocks.can_allocate(need):
                 raise CacheFullError(
@@ -288,7 +286,7 @@ class CachePools:
         with self._lock:
             cache = self._get(request_id)
             if num_tokens < cache.num_tokens:
-                raise ValueError(
+                raise InvalidInput(
                     f"num_tokens {num_tokens} is below the request's {cache.num_tokens}"
                 )
             extra = self.blocks_for(num_tokens) - len(cache.block_ids)
@@ -320,41 +318,10 @@ class CachePools:
 
     def _get(self, request_id: Hashable) -> RequestCache:
         if request_id not in self._requests:
-            raise ValueError(f"request_id {request_id!r} is not allocated")
+            raise NotFound(f"request_id {request_id!r} is not allocated")
         return self._requests[request_id]
 
     @property
     def num_requests(self) -> int:
         with self._lock:
             return len(self._requests)
-
-
-def fragment(
-    pool: BlockPool | SlotPool,
-    rng: random.Random,
-    fill: float = 0.7,
-    keep: float = 0.5,
-    max_request_blocks: int = 8,
-) -> list[list[int]]:
-    """Fill the pool to ~`fill` with random requests, then free all but ~`keep` of them.
-
-    Later allocations land in the holes, as in a long-running server. Returns the
-    allocations still held (free them to restore the pool)."""
-    if not 0.0 <= fill <= 1.0 or not 0.0 <= keep <= 1.0:
-        raise ValueError(f"fill and keep must be in [0, 1], got {fill}, {keep}")
-    held: list[list[int]] = []
-    target = pool.num_total * (1.0 - fill)
-    while pool.num_free > target:
-        if isinstance(pool, BlockPool):
-            held.append(pool.allocate(rng.randint(1, min(max_request_blocks, pool.num_free))))
-        elif pool.can_allocate():
-            held.append(pool.allocate())
-        else:
-            break
-    kept = []
-    for ids in held:
-        if rng.random() < keep:
-            kept.append(ids)
-        else:
-            pool.free(ids)
-    return kept

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from transfer.cache.units import ConvOrder, SSMOrder, StateUnit, align, rank_units
+from transfer.cache.head_units import ConvOrder, SSMOrder, StateUnit, align, rank_units
 from transfer.geometry import CacheTensor, LayerSpec, ModelGeometry, Role
 from transfer.memplan import StatePlacement
 from transfer.sizing import CacheDtypes

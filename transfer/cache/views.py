@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from transfer.errors import InvalidInput
 from transfer.geometry import LayerKind, Role
 
 if TYPE_CHECKING:
@@ -20,7 +21,7 @@ def torch_dtype(elem_bytes: int, override: torch.dtype | None = None) -> torch.d
     if override is None:
         return TORCH_DTYPES[elem_bytes]
     if override.itemsize != elem_bytes:
-        raise ValueError(
+        raise InvalidInput(
             f"dtype {override} is {override.itemsize} B, the cache stores {elem_bytes} B"
         )
     return override
@@ -28,11 +29,11 @@ def torch_dtype(elem_bytes: int, override: torch.dtype | None = None) -> torch.d
 
 def check_arena(layout: Layout, arena: torch.Tensor) -> torch.Tensor:
     if arena.dtype != torch.uint8 or arena.dim() != 1:
-        raise ValueError(
+        raise InvalidInput(
             f"arena must be a 1-D uint8 tensor, got {arena.dtype} {tuple(arena.shape)}"
         )
     if arena.numel() < layout.arena_bytes:
-        raise ValueError(f"arena has {arena.numel()} B, the layout needs {layout.arena_bytes} B")
+        raise InvalidInput(f"arena has {arena.numel()} B, the layout needs {layout.arena_bytes} B")
     return arena[: layout.arena_bytes]
 
 
@@ -50,7 +51,7 @@ def _strided(
 def _spacing(bases: Sequence[int], what: str) -> int:
     steps = {b - a for a, b in zip(bases, bases[1:], strict=False)}
     if len(steps) > 1:
-        raise ValueError(f"{what}: heads are not evenly spaced in this layout")
+        raise InvalidInput(f"{what}: heads are not evenly spaced in this layout")
     return steps.pop() if steps else 0
 
 
@@ -58,7 +59,7 @@ def _layer(layout: Layout, layer: int):
     for spec in layout.geometry.layers:
         if spec.index == layer:
             return spec
-    raise ValueError(f"layer {layer}: no cache-bearing layer with that index")
+    raise InvalidInput(f"layer {layer}: no cache-bearing layer with that index")
 
 
 def kv_view(
@@ -68,14 +69,14 @@ def kv_view(
     spec = _layer(layout, layer)
     units = layout.tensor_kv_units(layer, tensor)
     if not units:
-        raise ValueError(f"layer {layer} ({spec.kind.value}) has no KV tensor {tensor!r}")
+        raise InvalidInput(f"layer {layer} ({spec.kind.value}) has no KV tensor {tensor!r}")
     first = units[0]
     if any(
         (u.block_stride, u.token_stride, u.nbytes)
         != (first.block_stride, first.token_stride, first.nbytes)
         for u in units
     ):
-        raise ValueError(f"layer {layer} {tensor}: heads differ in shape")
+        raise InvalidInput(f"layer {layer} {tensor}: heads differ in shape")
     eb = layout.dtypes.kv
     spacing = _spacing([u.base for u in units], f"layer {layer} {tensor}")
     shape = (layout.num_blocks, layout.block_size, len(units), first.nbytes // eb)
@@ -89,7 +90,7 @@ def ssm_view(layout: Layout, arena: torch.Tensor, layer: int, dtype=None) -> tor
     spec = _layer(layout, layer)
     units = layout.tensor_state_units(layer, "ssm")
     if not units:
-        raise ValueError(f"layer {layer} ({spec.kind.value}) has no recurrent state")
+        raise InvalidInput(f"layer {layer} ({spec.kind.value}) has no recurrent state")
     kind_spec = spec.spec
     if spec.kind is LayerKind.GDN:
         k_dim, v_dim = kind_spec.head_k_dim, kind_spec.head_v_dim
@@ -112,7 +113,7 @@ def conv_view(
     spec = _layer(layout, layer)
     units = layout.tensor_state_units(layer, tensor)
     if not units or units[0].role is not Role.CONV:
-        raise ValueError(f"layer {layer} ({spec.kind.value}) has no conv state {tensor!r}")
+        raise InvalidInput(f"layer {layer} ({spec.kind.value}) has no conv state {tensor!r}")
     first = units[0]
     channels = sum(u.elems for u in units)
     shape = (layout.num_slots, channels, first.steps)

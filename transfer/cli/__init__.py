@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from transfer.cli import bench, launch, plan, serve
+from transfer.cli import bench, launch, make_tiny, plan, serve
+from transfer.errors import CapacityError, NotFound
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -17,17 +18,17 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (plan, serve, launch, bench):
+    for module in (plan, serve, launch, bench, make_tiny):
         module.register(subparsers)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point. Bad input exits 2 with a message naming the field."""
+    """Entry point. Bad input, or a request that cannot fit, exits 2 with a message."""
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, CapacityError, NotFound, FileNotFoundError) as exc:
         print(f"pdxfer {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -21,8 +21,8 @@ def _benchmarks() -> list:
     # their run functions, so building this parser stays cheap.
     from kernels import bench as kernels_bench
     from transfer.bench import control as control_bench
-    from transfer.bench import transfer_cli as transfer_bench
     from transfer.bench import transport as transport_bench
+    from transfer.cli import bench_transfer as transfer_bench
 
     return [
         kernels_bench.register,

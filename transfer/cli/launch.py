@@ -9,6 +9,7 @@ TP=1 run. Exits 1 when a request fails or fails verification.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -19,9 +20,11 @@ import tempfile
 import uuid
 from pathlib import Path
 
+from transfer.cli.launch_config import LaunchConfig
 from transfer.cli.launch_report import format_table, summarize
 from transfer.cli.launch_run import Progress, References, send_all, verify_outcomes
 from transfer.cli.plan import add_model_arguments
+from transfer.errors import InvalidInput
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -62,12 +65,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
-def _check_args(args: argparse.Namespace) -> None:
-    for name in ("prefill_tp", "decode_tp", "requests", "prompt_len", "max_tokens", "block_size"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.timeout <= 0:
-        raise ValueError(f"--timeout must be > 0, got {args.timeout}")
+def _config(args: argparse.Namespace) -> LaunchConfig:
+    """The flags as a checked `LaunchConfig` (every field is named after its flag)."""
+    model = args.model if args.model or args.hf_config else "tiny-qwen3-next"
+    names = [f.name for f in dataclasses.fields(LaunchConfig) if f.name != "model"]
+    return LaunchConfig(model=model, **{name: getattr(args, name) for name in names})
 
 
 def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -78,6 +80,11 @@ def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 
 def run(args: argparse.Namespace) -> int:
+    return launch(_config(args))
+
+
+def launch(config: LaunchConfig) -> int:
+    """Run the workers, send the requests, print the report; 0 when every request passed."""
     from transfer.presets import load_geometry
     from transfer.serving.instance import InstanceConfig, plan_for
     from transfer.serving.procs import (
@@ -89,25 +96,22 @@ def run(args: argparse.Namespace) -> int:
     )
     from transfer.units import parse_size
 
-    _check_args(args)
-    if args.model is None and args.hf_config is None:
-        args.model = "tiny-qwen3-next"
-    geometry = load_geometry(args.model, args.hf_config)
-    budget = parse_size(args.gpu_mem, "--gpu-mem")
-    for role, tp in (("prefill", args.prefill_tp), ("decode", args.decode_tp)):
+    geometry = load_geometry(config.model, config.hf_config)
+    budget = parse_size(config.gpu_mem, "--gpu-mem")
+    for role, tp in (("prefill", config.prefill_tp), ("decode", config.decode_tp)):
         try:  # what each serve process will plan, checked before anything starts
-            sizes = {"max_seqs": args.requests, "min_block_size": args.block_size}
+            sizes = {"max_seqs": config.requests, "min_block_size": config.block_size}
             plan_for(InstanceConfig(role, geometry, tp, budget_bytes=budget, **sizes))
         except ValueError as exc:
-            raise ValueError(f"--{role}-tp {tp}: {exc}") from None
+            raise InvalidInput(f"--{role}-tp {tp}: {exc}") from None
     run_dir = Path(tempfile.mkdtemp(prefix="pdxfer-launch-"))
-    dump_dir = run_dir / "caches" if args.verify else None
-    model_args = ["--model", args.model] if args.model else ["--hf-config", args.hf_config]
+    dump_dir = run_dir / "caches" if config.verify else None
+    model_args = ["--model", config.model] if config.model else ["--hf-config", config.hf_config]
     common = [
         "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", *model_args,
-        "--transport", args.transport, "--gpu-mem", args.gpu_mem, "--device", args.device,
-        "--max-seqs", str(args.requests), "--block-size", str(args.block_size),
-        "--seed", str(args.seed),
+        "--transport", config.transport, "--gpu-mem", config.gpu_mem, "--device", config.device,
+        "--max-seqs", str(config.requests), "--block-size", str(config.block_size),
+        "--seed", str(config.seed),
         *(["--dump-dir", str(dump_dir)] if dump_dir else []),
     ]  # fmt: skip
     token = uuid.uuid4().hex
@@ -122,30 +126,39 @@ def run(args: argparse.Namespace) -> int:
     try:
         say = Progress()
         say.line(
-            f"starting prefill (tp {args.prefill_tp}) and decode (tp {args.decode_tp}) "
-            f"with {args.transport}; logs in {run_dir}"
+            f"starting prefill (tp {config.prefill_tp}) and decode (tp {config.decode_tp}) "
+            f"with {config.transport}; logs in {run_dir}"
         )
         workers = [
             start_serve(
                 role, [*common, "--tp", str(tp), "--instance-id", f"{role}-0"], run_dir, env
             )
-            for role, tp in (("prefill", args.prefill_tp), ("decode", args.decode_tp))
+            for role, tp in (("prefill", config.prefill_tp), ("decode", config.decode_tp))
         ]
         procs += workers
-        prompts = _prompts(args.requests, args.prompt_len, geometry.vocab_size, args.seed)
-        if args.verify:
-            references = References(geometry, prompts, args.max_tokens, args.seed)
-        wait_ready(workers, args.timeout)
+        prompts = _prompts(config.requests, config.prompt_len, geometry.vocab_size, config.seed)
+        if config.verify:
+            references = References(geometry, prompts, config.max_tokens, config.seed)
+        wait_ready(workers, config.timeout)
         router_args = ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "0",
                        "--prefill", workers[0].address, "--decode", workers[1].address]  # fmt: skip
         procs.append(start_serve("router", router_args, run_dir, env))
-        wait_ready(procs[-1:], args.timeout)
-        check_health(procs, args.timeout)
-        say.line(f"router at {procs[-1].address}; sending {args.requests} requests")
-        outcomes = send_all(procs[-1].address, token, prompts, args, say)
-        if args.verify:
+        wait_ready(procs[-1:], config.timeout)
+        check_health(procs, config.timeout)
+        say.line(f"router at {procs[-1].address}; sending {config.requests} requests")
+        outcomes = send_all(
+            procs[-1].address, token, prompts, config.max_tokens, config.timeout, say
+        )
+        if config.verify:
             say.line("verifying")
-            verify_outcomes(geometry, outcomes, references.get(args.timeout), dump_dir, args)
+            verify_outcomes(
+                geometry,
+                outcomes,
+                references.get(config.timeout),
+                dump_dir,
+                config.prefill_tp,
+                config.decode_tp,
+            )
         ok = all(o.ok for o in outcomes)
         keep = not ok
         say.line("stopping workers")
@@ -156,12 +169,12 @@ def run(args: argparse.Namespace) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
         stop_all(procs)
-        if keep or args.keep_logs:
+        if keep or config.keep_logs:
             print(f"launch: run directory kept at {run_dir}", file=sys.stderr)
         else:
             shutil.rmtree(run_dir, ignore_errors=True)
-    summary = summarize(outcomes, args)
-    if args.json:
+    summary = summarize(outcomes, config)
+    if config.json:
         print(json.dumps(summary, indent=2))
     else:
         print(format_table(outcomes, summary))

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import argparse
-
+from transfer.cli.launch_config import LaunchConfig
 from transfer.cli.launch_run import Outcome
 
 
@@ -21,20 +20,20 @@ def percentiles(values: list[float]) -> dict[str, float]:
     return {"p50": pick(0.5), "p99": pick(0.99)}
 
 
-def summarize(outcomes: list[Outcome], args: argparse.Namespace) -> dict:
+def summarize(outcomes: list[Outcome], config: LaunchConfig) -> dict:
     """The `--json` document. Byte and descriptor counts are totals over the requests."""
     good = [o for o in outcomes if not o.error]
     return {
-        "model": args.model or args.hf_config,
-        "transport": args.transport,
-        "prefill_tp": args.prefill_tp,
-        "decode_tp": args.decode_tp,
+        "model": config.model or config.hf_config,
+        "transport": config.transport,
+        "prefill_tp": config.prefill_tp,
+        "decode_tp": config.decode_tp,
         "requests": len(outcomes),
-        "verify": bool(args.verify),
-        "verified": sum(o.ok for o in outcomes) if args.verify else 0,
+        "verify": bool(config.verify),
+        "verified": sum(o.ok for o in outcomes) if config.verify else 0,
         "failed": sum(not o.ok for o in outcomes),
-        "prompt_len": args.prompt_len,
-        "max_tokens": args.max_tokens,
+        "prompt_len": config.prompt_len,
+        "max_tokens": config.max_tokens,
         "kv_bytes": sum(o.kv_bytes for o in good),
         "state_bytes": sum(o.state_bytes for o in good),
         "descriptors": sum(o.descriptors for o in good),

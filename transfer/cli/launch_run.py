@@ -8,6 +8,11 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transfer.geometry import ModelGeometry
 
 
 @dataclass
@@ -60,7 +65,16 @@ class Progress:
             print(f"launch: {text}", file=sys.stderr, flush=True)
 
 
-def send_all(address, token, prompts, args, say: Progress) -> list[Outcome]:
+def send_all(
+    address: str,
+    token: str,
+    prompts: list[list[int]],
+    max_tokens: int,
+    timeout_s: float,
+    say: Progress,
+) -> list[Outcome]:
+    """Send every prompt through the router at once; each outcome is filled by its own
+    thread. Requests still unanswered after `timeout_s` are marked as failed."""
     from transfer.control.client import RouterClient
     from transfer.control.types import GenerateRequest
 
@@ -70,7 +84,7 @@ def send_all(address, token, prompts, args, say: Progress) -> list[Outcome]:
     def one(out: Outcome) -> None:
         start = time.perf_counter()
         try:
-            request = GenerateRequest(out.request_id, tuple(out.prompt), args.max_tokens)
+            request = GenerateRequest(out.request_id, tuple(out.prompt), max_tokens)
             for event in client.generate(request):
                 if event.index == 0:
                     out.ttft_ms, out.transfer_ms = event.ttft_ms, event.transfer_ms
@@ -86,13 +100,13 @@ def send_all(address, token, prompts, args, say: Progress) -> list[Outcome]:
     threads = [threading.Thread(target=one, args=(o,), daemon=True) for o in outcomes]
     for t in threads:
         t.start()
-    deadline = time.monotonic() + args.timeout
+    deadline = time.monotonic() + timeout_s
     try:
         while not all(o.done for o in outcomes):
             if time.monotonic() > deadline:
                 for o in outcomes:
                     if not o.done:
-                        o.error = f"no answer within --timeout {args.timeout:g}s"
+                        o.error = f"no answer within --timeout {timeout_s:g}s"
                 break
             done = sum(o.done for o in outcomes)
             failed = sum(bool(o.error) for o in outcomes)
@@ -113,7 +127,9 @@ class References:
     """The colocated TP=1 tokens of every prompt, computed on a thread while the workers
     start and serve (check 2 of --verify)."""
 
-    def __init__(self, geometry, prompts: list[list[int]], max_tokens: int, seed: int) -> None:
+    def __init__(
+        self, geometry: ModelGeometry, prompts: list[list[int]], max_tokens: int, seed: int
+    ) -> None:
         self.tokens: list[list[int]] = []
         self.error: BaseException | None = None
         self._args = (geometry, prompts, max_tokens, seed)
@@ -143,14 +159,21 @@ class References:
 
 
 def verify_outcomes(
-    geometry, outcomes: list[Outcome], references: list[list[int]], dump_dir, args
+    geometry: ModelGeometry,
+    outcomes: list[Outcome],
+    references: list[list[int]],
+    dump_dir: Path,
+    prefill_tp: int,
+    decode_tp: int,
 ) -> None:
+    """Add to each answered outcome the problems --verify finds: its caches against the
+    re-sliced prefill caches (dumped under `dump_dir`), its tokens against `references`."""
     from transfer.serving.verify import check_request, tokens_check
 
     for out, expected in zip(outcomes, references, strict=True):
         if out.error:
             continue
-        check = check_request(geometry, dump_dir, out.request_id, args.prefill_tp, args.decode_tp)
+        check = check_request(geometry, dump_dir, out.request_id, prefill_tp, decode_tp)
         out.problems += check.problems
         problem = tokens_check(expected, out.tokens)
         if problem:

@@ -20,7 +20,10 @@ def add_model_arguments(
     """--model / --hf-config, shared by every command that needs a geometry."""
     group = parser.add_mutually_exclusive_group()
     group.add_argument(
-        "--model", help=f"preset name (default {default_model}): {', '.join(PRESETS)}"
+        "--model",
+        metavar="NAME|DIR",
+        help=f"preset name (default {default_model}): {', '.join(PRESETS)}; "
+        "or a local checkpoint directory (config.json + *.safetensors)",
     )
     group.add_argument("--hf-config", metavar="PATH", help="a Hugging Face config.json instead")
 
@@ -30,7 +33,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "plan",
         help="cache sizes, crossover and memory plan for a model",
         description=(
-            "Per-rank cache sizes of a hybrid model (REFERENCE.md §2), the crossover length, "
+            "Per-rank cache sizes of a hybrid model (docs/reference.md), the crossover length, "
             "and how a rank's memory splits into state slots and KV blocks. With --transfer, "
             "the transfer plan of one request from a prefill to a decode instance."
         ),
@@ -67,10 +70,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="linear state per request (one span, default) or per layer",
     )
     parser.add_argument(
-        "--state-dtype",
-        choices=["bf16", "fp16", "fp32"],
-        default="bf16",
-        help="dtype of the recurrent state S (default bf16)",
+        "--ssm-dtype",
+        choices=["auto", "float32", "bfloat16"],
+        default="auto",
+        help="dtype of the recurrent state S; auto (default): the config's mamba_ssm_dtype, "
+        "else the model dtype. KV and conv always use the model dtype",
     )
     parser.add_argument("--json", action="store_true", help="print JSON (a public interface)")
     parser.add_argument("--plot", metavar="FILE.png", help="plot cache bytes against length")
@@ -96,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     )
     if not 0.0 < args.mem_fraction <= 1.0:
         raise ValueError(f"--mem-fraction must be in (0, 1], got {args.mem_fraction}")
-    dtypes = CacheDtypes.from_names(ssm=args.state_dtype)
+    dtypes = CacheDtypes.for_model(geometry, args.ssm_dtype)
     sizing = size_model(geometry, args.tp, dtypes, args.spec_tokens)
     budget = int(parse_size(args.gpu_mem, "--gpu-mem") * args.mem_fraction)
     plan = plan_memory(
@@ -111,7 +115,13 @@ def run(args: argparse.Namespace) -> int:
         dtypes=dtypes,
     )
     report = plan_report(
-        geometry.name, len(geometry.linear_layers), len(geometry.attention_layers), sizing, plan
+        geometry.name,
+        len(geometry.linear_layers),
+        len(geometry.attention_layers),
+        sizing,
+        plan,
+        geometry.dtype,
+        dtypes,
     )
     if args.plot:
         from transfer.plotting import plot_crossover
@@ -128,12 +138,21 @@ def run(args: argparse.Namespace) -> int:
 
 
 def plan_report(
-    model: str, num_linear: int, num_attention: int, sizing: ModelSizing, plan: MemoryPlan
+    model: str,
+    num_linear: int,
+    num_attention: int,
+    sizing: ModelSizing,
+    plan: MemoryPlan,
+    model_dtype: str = "bfloat16",
+    dtypes: CacheDtypes | None = None,
 ) -> dict[str, Any]:
     """The `--json` document. Its keys are a public interface."""
     state = sizing.linear_layer_state
+    dtypes = dtypes or CacheDtypes()
     return {
         "model": model,
+        "dtype": model_dtype,
+        "cache_dtype_bytes": {"kv": dtypes.kv, "ssm": dtypes.ssm, "conv": dtypes.conv},
         "tp": sizing.tp,
         "num_linear_layers": num_linear,
         "num_attention_layers": num_attention,
@@ -166,6 +185,12 @@ def format_report(report: dict[str, Any], plan: MemoryPlan) -> str:
     rows = [
         ("model", report["model"]),
         ("tp", report["tp"]),
+        (
+            "dtype (cache bytes)",
+            f"{report['dtype']} (kv {report['cache_dtype_bytes']['kv']}, "
+            f"ssm {report['cache_dtype_bytes']['ssm']}, "
+            f"conv {report['cache_dtype_bytes']['conv']})",
+        ),
         (
             "layers",
             f"{report['num_linear_layers']} linear + {report['num_attention_layers']} attention",

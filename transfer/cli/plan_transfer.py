@@ -106,7 +106,7 @@ def run_transfer_plan(args: argparse.Namespace) -> int:
     geometry = load_geometry(
         args.model or (None if args.hf_config else "qwen3-next-80b-a3b"), args.hf_config
     )
-    dtypes = CacheDtypes.from_names(ssm=args.state_dtype)
+    dtypes = CacheDtypes.for_model(geometry, args.ssm_dtype)
     p_plan, prefill, src = _instance(args, geometry, args.prefill_tp, dtypes, "--prefill-tp")
     d_plan, decode, dst = _instance(args, geometry, args.decode_tp, dtypes, "--decode-tp")
     request = TransferRequest(args.tokens, src.block_ids, src.slot_ids, dst.block_ids, dst.slot_ids)

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import grpc
 
+from transfer.errors import InvalidInput
+
 AUTH_METADATA_KEY = "authorization"
 OPEN_METHODS = frozenset({"/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch"})
 
@@ -36,7 +38,7 @@ class TlsConfig:
 
     def __post_init__(self) -> None:
         if (self.cert_chain is None) != (self.private_key is None):
-            raise ValueError("tls: cert_chain and private_key must be given together")
+            raise InvalidInput("tls: cert_chain and private_key must be given together")
 
     @classmethod
     def from_files(
@@ -59,14 +61,14 @@ def load_token(path: str | None) -> str | None:
     if path:
         token = Path(path).read_text().strip()
         if not token:
-            raise ValueError(f"--auth-token-file {path}: the file is empty")
+            raise InvalidInput(f"--auth-token-file {path}: the file is empty")
         return token
     return os.environ.get("PDXFER_AUTH_TOKEN", "").strip() or None
 
 
 def server_credentials(tls: TlsConfig) -> grpc.ServerCredentials:
     if tls.cert_chain is None or tls.private_key is None:
-        raise ValueError("tls.cert_chain: a server needs a certificate and private key")
+        raise InvalidInput("tls.cert_chain: a server needs a certificate and private key")
     return grpc.ssl_server_credentials(
         [(tls.private_key, tls.cert_chain)],
         root_certificates=tls.ca,
@@ -90,7 +92,7 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
 
     def __init__(self, token: str, open_methods: frozenset[str] = OPEN_METHODS):
         if not token:
-            raise ValueError("token: must be a non-empty string")
+            raise InvalidInput("token: must be a non-empty string")
         self._expected = f"Bearer {token}".encode()
         self._open = open_methods
 

@@ -1,7 +1,7 @@
 """protobuf <-> frozen dataclasses. With server.py and client.py, the only code that imports `gen`.
 
 `*_from_pb` also checks the shape of what arrived (ids non-empty, counts and
-indices non-negative, deadlines finite) and raises `ValueError` naming the
+indices non-negative, deadlines finite) and raises `InvalidInput` naming the
 field, so a malformed message never reaches core code.
 """
 
@@ -20,6 +20,7 @@ from transfer.control.types import (
     TokenEvent,
     validate_id,
 )
+from transfer.errors import InvalidInput
 
 
 def ticket_to_pb(t: Ticket) -> transfer_pb2.Ticket:
@@ -39,13 +40,13 @@ def ticket_from_pb(m: transfer_pb2.Ticket, prefix: str = "") -> Ticket:
     validate_id(m.request_id, f"{prefix}request_id")
     for i, block in enumerate(m.block_ids):
         if block < 0:
-            raise ValueError(f"{prefix}block_ids[{i}]: must be >= 0, got {block}")
+            raise InvalidInput(f"{prefix}block_ids[{i}]: must be >= 0, got {block}")
     _non_negative(m.slot_id, f"{prefix}slot_id")
     if m.num_tokens < 1:
-        raise ValueError(f"{prefix}num_tokens: must be >= 1, got {m.num_tokens}")
+        raise InvalidInput(f"{prefix}num_tokens: must be >= 1, got {m.num_tokens}")
     _non_negative(m.first_token, f"{prefix}first_token")
     if not math.isfinite(m.lease_deadline):
-        raise ValueError(f"{prefix}lease_deadline: must be finite, got {m.lease_deadline}")
+        raise InvalidInput(f"{prefix}lease_deadline: must be finite, got {m.lease_deadline}")
     return Ticket(
         request_id=m.request_id,
         instance_id=m.instance_id,
@@ -123,9 +124,9 @@ def decode_request_to_pb(r: DecodeRequest) -> worker_pb2.DecodeRequest:
 
 def decode_request_from_pb(m: worker_pb2.DecodeRequest) -> DecodeRequest:
     if not m.HasField("ticket"):
-        raise ValueError("ticket: required")
+        raise InvalidInput("ticket: required")
     if m.max_tokens < 1:
-        raise ValueError(f"max_tokens: must be >= 1, got {m.max_tokens}")
+        raise InvalidInput(f"max_tokens: must be >= 1, got {m.max_tokens}")
     return DecodeRequest(ticket=ticket_from_pb(m.ticket, prefix="ticket."), max_tokens=m.max_tokens)
 
 
@@ -160,13 +161,13 @@ def token_event_from_pb(m: worker_pb2.TokenEvent) -> TokenEvent:
 def _check_prompt(request_id: str, prompt_ids, max_tokens: int) -> None:
     validate_id(request_id, "request_id")
     if not prompt_ids:
-        raise ValueError("prompt_ids: must hold at least one token")
+        raise InvalidInput("prompt_ids: must hold at least one token")
     for i, token in enumerate(prompt_ids):
         _non_negative(token, f"prompt_ids[{i}]")
     if max_tokens < 1:
-        raise ValueError(f"max_tokens: must be >= 1, got {max_tokens}")
+        raise InvalidInput(f"max_tokens: must be >= 1, got {max_tokens}")
 
 
 def _non_negative(value: int, name: str) -> None:
     if value < 0:
-        raise ValueError(f"{name}: must be >= 0, got {value}")
+        raise InvalidInput(f"{name}: must be >= 0, got {value}")

@@ -1,21 +1,33 @@
-"""Control-plane errors and the gRPC status code each one maps to.
+"""Control-plane errors, and the one place where an error's kind becomes a gRPC status.
 
-Bad input is a `ValueError` naming the field (INVALID_ARGUMENT). The server maps
-these exceptions to status codes; the client raises `ControlError` with the code.
+Servicers raise the kinds of `transfer.errors`; `status_code_name` maps each kind to its
+status code; the client raises `ControlError` carrying the code the server answered.
 """
 
 from __future__ import annotations
 
+from transfer.errors import (
+    CapacityError,
+    Closed,
+    DeadlineExceeded,
+    InvalidInput,
+    NotFound,
+    PdxferError,
+    PeerUnavailable,
+    TransferFailed,
+    WrongState,
+)
 
-class UnknownRequest(LookupError):
+
+class UnknownRequest(NotFound):
     """No live ticket for this request id (never published, or already freed). NOT_FOUND."""
 
 
-class TicketStateError(RuntimeError):
+class TicketStateError(WrongState):
     """The call is valid but not in the ticket's current state (e.g. held by another decode). FAILED_PRECONDITION."""
 
 
-class CompatMismatch(RuntimeError):
+class CompatMismatch(WrongState):
     """The two sides of a handshake disagree on compatibility fields. FAILED_PRECONDITION."""
 
     def __init__(self, fields: list[str], message: str):
@@ -23,7 +35,7 @@ class CompatMismatch(RuntimeError):
         self.fields = fields
 
 
-class ControlError(Exception):
+class ControlError(PdxferError):
     """A failed control-plane call, as the client sees it.
 
     `code` is the gRPC status code name (e.g. "NOT_FOUND"); `details` the server's message.
@@ -35,14 +47,26 @@ class ControlError(Exception):
         self.details = details
 
 
+# Most specific first: Closed is a RuntimeError like WrongState, but not a WrongState.
+_CODES: tuple[tuple[type[BaseException], str], ...] = (
+    (InvalidInput, "INVALID_ARGUMENT"),
+    (NotFound, "NOT_FOUND"),
+    (WrongState, "FAILED_PRECONDITION"),
+    (CapacityError, "RESOURCE_EXHAUSTED"),
+    (PeerUnavailable, "UNAVAILABLE"),
+    (DeadlineExceeded, "DEADLINE_EXCEEDED"),
+    (TransferFailed, "ABORTED"),
+    (Closed, "UNAVAILABLE"),
+    # Bad input from code that raises the builtin (e.g. a protobuf field check).
+    (ValueError, "INVALID_ARGUMENT"),
+)
+
+
 def status_code_name(exc: BaseException) -> str:
-    """The gRPC status code name a servicer answers for `exc`."""
+    """The gRPC status code name a servicer answers for `exc`; INTERNAL for anything else."""
     if isinstance(exc, ControlError):
         return exc.code
-    if isinstance(exc, UnknownRequest):
-        return "NOT_FOUND"
-    if isinstance(exc, (TicketStateError, CompatMismatch)):
-        return "FAILED_PRECONDITION"
-    if isinstance(exc, ValueError):
-        return "INVALID_ARGUMENT"
+    for kind, code in _CODES:
+        if isinstance(exc, kind):
+            return code
     return "INTERNAL"

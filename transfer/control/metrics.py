@@ -21,6 +21,8 @@ from prometheus_client import (
     start_http_server,
 )
 
+from transfer.errors import InvalidInput
+
 TRANSFER_SECONDS_BUCKETS = (
     0.0005,
     0.001,
@@ -108,12 +110,12 @@ class WorkerMetrics:
         """Count one finished transfer (status e.g. "done" / "failed"); a rejected call counts nothing."""
         bytes_by_kind = dict(bytes_by_kind or {})
         if not status:
-            raise ValueError("status: must be a non-empty string")
+            raise InvalidInput("status: must be a non-empty string")
         if seconds < 0 or descriptors < 0:
-            raise ValueError(f"seconds/descriptors: must be >= 0, got {seconds}, {descriptors}")
+            raise InvalidInput(f"seconds/descriptors: must be >= 0, got {seconds}, {descriptors}")
         for kind, nbytes in bytes_by_kind.items():
             if nbytes < 0:
-                raise ValueError(f"bytes_by_kind[{kind!r}]: must be >= 0, got {nbytes}")
+                raise InvalidInput(f"bytes_by_kind[{kind!r}]: must be >= 0, got {nbytes}")
         self.transfers.labels(status=status).inc()
         self.transfer_seconds.observe(seconds)
         self.transfer_descriptors.inc(descriptors)

@@ -27,6 +27,7 @@ from transfer.control.types import (
     Ticket,
     TokenEvent,
 )
+from transfer.errors import InvalidInput
 
 TRANSFER_SERVICE = transfer_pb2.DESCRIPTOR.services_by_name["TransferService"].full_name
 PREFILL_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name
@@ -132,9 +133,9 @@ def serve(
     """
     host, sep, port_text = address.rpartition(":")
     if not sep or not host or not port_text.isdigit():
-        raise ValueError(f"address: expected 'host:port', got {address!r}")
+        raise InvalidInput(f"address: expected 'host:port', got {address!r}")
     if (store is None) != (identity is None):
-        raise ValueError("store/identity: TransferService needs both")
+        raise InvalidInput("store/identity: TransferService needs both")
     interceptors = [TokenAuthInterceptor(token)] if token else []
     interceptors.append(MalformedRequestInterceptor())
     server = grpc.server(
@@ -156,7 +157,7 @@ def serve(
         worker_pb2_grpc.add_RouterServiceServicer_to_server(RouterServicer(generate), server)
         services.append(ROUTER_SERVICE)
     if not services and not health_only:
-        raise ValueError(
+        raise InvalidInput(
             "serve: no service to host (give store+identity, prefill, decode or generate)"
         )
     health_servicer = health.HealthServicer()
@@ -169,7 +170,7 @@ def serve(
     else:
         port = server.add_secure_port(address, server_credentials(tls))
     if port == 0:
-        raise ValueError(f"address: could not bind {address!r}")
+        raise InvalidInput(f"address: could not bind {address!r}")
     server.start()
     started = ControlServer(host, port, tuple(services), server, health_servicer)
     started.set_serving(True)

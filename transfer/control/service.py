@@ -28,6 +28,7 @@ from transfer.control.types import (
     compat_mismatch,
     validate_compat,
 )
+from transfer.errors import InvalidInput
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +39,7 @@ class TransferServicer(transfer_pb2_grpc.TransferServiceServicer):
     def __init__(self, store: TicketStore, identity: HandshakeReply):
         validate_compat(identity.compat, "identity.compat")
         if identity.compat_hash != compat_hash(identity.compat):
-            raise ValueError("identity.compat_hash: does not match identity.compat")
+            raise InvalidInput("identity.compat_hash: does not match identity.compat")
         self.store = store
         self.identity = identity
 
@@ -46,7 +47,7 @@ class TransferServicer(transfer_pb2_grpc.TransferServiceServicer):
         request = convert.handshake_request_from_pb(m)
         validate_compat(request.compat)
         if request.compat_hash != compat_hash(request.compat):
-            raise ValueError("compat_hash: does not match the compat fields sent")
+            raise InvalidInput("compat_hash: does not match the compat fields sent")
         differ = compat_mismatch(self.identity.compat, request.compat)
         if differ:
             pairs = "; ".join(
@@ -71,7 +72,7 @@ class TransferServicer(transfer_pb2_grpc.TransferServiceServicer):
 
     def abort(self, m: transfer_pb2.AbortRequest) -> transfer_pb2.AbortReply:
         if len(m.reason) > 1024:
-            raise ValueError("reason: at most 1024 characters")
+            raise InvalidInput("reason: at most 1024 characters")
         self.store.abort(m.request_id, m.reason)
         return transfer_pb2.AbortReply()
 

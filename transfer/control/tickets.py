@@ -39,6 +39,7 @@ from transfer.control.types import (
     validate_id,
     validate_ticket_fields,
 )
+from transfer.errors import DeadlineExceeded, InvalidInput, WrongState
 
 if TYPE_CHECKING:
     from transfer.control.metrics import WorkerMetrics
@@ -106,17 +107,17 @@ class TicketStore:
         *,
         lease_s: float | None = None,
     ) -> Ticket:
-        """Publish a finished prefill. Raises `ValueError` naming the field; a rejected call changes nothing."""
+        """Publish a finished prefill. Raises `InvalidInput` naming the field; a rejected call changes nothing."""
         block_ids = tuple(int(b) for b in block_ids)
         validate_ticket_fields(request_id, block_ids, slot_id, num_tokens, first_token, self.config)
         lease_s = self.config.lease_s if lease_s is None else lease_s
         if not (math.isfinite(lease_s) and lease_s > 0):
-            raise ValueError(f"lease_s: must be a positive number of seconds, got {lease_s!r}")
+            raise InvalidInput(f"lease_s: must be a positive number of seconds, got {lease_s!r}")
         with self._cond:
             if request_id in self._live:
-                raise ValueError(f"request_id: {request_id!r} already has a live ticket")
+                raise InvalidInput(f"request_id: {request_id!r} already has a live ticket")
             if slot_id in self._slots:
-                raise ValueError(
+                raise InvalidInput(
                     f"slot_id: slot {slot_id} is held by live ticket {self._slots[slot_id]!r}"
                 )
             ticket = Ticket(
@@ -170,16 +171,16 @@ class TicketStore:
             live = self._get_held(request_id, holder)
             ticket = live.ticket
             if len(block_ids) != len(ticket.block_ids):
-                raise ValueError(
+                raise InvalidInput(
                     f"block_ids: {len(block_ids)} blocks, ticket {request_id!r} has {len(ticket.block_ids)}"
                 )
             for i, (got, want) in enumerate(zip(block_ids, ticket.block_ids, strict=True)):
                 if got != want:
-                    raise ValueError(
+                    raise InvalidInput(
                         f"block_ids[{i}]: {got} does not match ticket {request_id!r} (block {want})"
                     )
             if slot_id != ticket.slot_id:
-                raise ValueError(
+                raise InvalidInput(
                     f"slot_id: {slot_id} does not match ticket {request_id!r} (slot {ticket.slot_id})"
                 )
             self._remove(live, FreeReason.RELEASED)
@@ -232,7 +233,7 @@ class TicketStore:
         """Start the reaper thread: it sleeps until the earliest deadline (at most `max_wait_s`)."""
         with self._cond:
             if self._reaper is not None:
-                raise RuntimeError("reaper already started")
+                raise WrongState("reaper already started")
             self._stopping = False
             self._reaper = threading.Thread(
                 target=self._reap_loop, name="pdxfer-lease-reaper", daemon=True
@@ -249,7 +250,7 @@ class TicketStore:
         if reaper is not None:
             reaper.join(timeout)
             if reaper.is_alive():
-                raise RuntimeError(f"lease reaper did not stop within {timeout}s")
+                raise DeadlineExceeded(f"lease reaper did not stop within {timeout}s")
 
     def __enter__(self) -> TicketStore:
         return self.start()

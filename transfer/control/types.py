@@ -11,6 +11,8 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from transfer.errors import InvalidInput
+
 WIRE_VERSION = "1"
 COMPAT_FIELDS = ("geometry", "dtypes", "block_size", "layout_version", "wire_version")
 MAX_ID_LEN = 256
@@ -42,13 +44,15 @@ class ControlConfig:
         for name in ("num_kv_blocks", "num_state_slots", "block_size", "max_blocks_per_request"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}: must be a positive int, got {value!r}")
+                raise InvalidInput(f"{name}: must be a positive int, got {value!r}")
         if not (
             isinstance(self.lease_s, (int, float))
             and math.isfinite(self.lease_s)
             and self.lease_s > 0
         ):
-            raise ValueError(f"lease_s: must be a positive number of seconds, got {self.lease_s!r}")
+            raise InvalidInput(
+                f"lease_s: must be a positive number of seconds, got {self.lease_s!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -151,31 +155,33 @@ def compat_mismatch(ours: Mapping[str, str], theirs: Mapping[str, str]) -> list[
 def validate_compat(fields: Mapping[str, str], name: str = "compat") -> None:
     missing = [k for k in COMPAT_FIELDS if not fields.get(k)]
     if missing:
-        raise ValueError(f"{name}.{missing[0]}: required compatibility field is missing or empty")
+        raise InvalidInput(f"{name}.{missing[0]}: required compatibility field is missing or empty")
 
 
 def validate_id(value: str, name: str) -> None:
     if not isinstance(value, str) or not value:
-        raise ValueError(f"{name}: must be a non-empty string")
+        raise InvalidInput(f"{name}: must be a non-empty string")
     if len(value) > MAX_ID_LEN or not value.isprintable():
-        raise ValueError(f"{name}: must be at most {MAX_ID_LEN} printable characters")
+        raise InvalidInput(f"{name}: must be at most {MAX_ID_LEN} printable characters")
 
 
 def validate_blocks(block_ids: tuple[int, ...], slot_id: int, config: ControlConfig) -> None:
     """Range and uniqueness of a ticket's block ids and slot id."""
     if len(block_ids) > config.max_blocks_per_request:
-        raise ValueError(
+        raise InvalidInput(
             f"block_ids: {len(block_ids)} blocks exceed max_blocks_per_request={config.max_blocks_per_request}"
         )
     seen: set[int] = set()
     for i, block in enumerate(block_ids):
         if not 0 <= block < config.num_kv_blocks:
-            raise ValueError(f"block_ids[{i}]: {block} is out of range [0, {config.num_kv_blocks})")
+            raise InvalidInput(
+                f"block_ids[{i}]: {block} is out of range [0, {config.num_kv_blocks})"
+            )
         if block in seen:
-            raise ValueError(f"block_ids[{i}]: block {block} appears twice")
+            raise InvalidInput(f"block_ids[{i}]: block {block} appears twice")
         seen.add(block)
     if not 0 <= slot_id < config.num_state_slots:
-        raise ValueError(f"slot_id: {slot_id} is out of range [0, {config.num_state_slots})")
+        raise InvalidInput(f"slot_id: {slot_id} is out of range [0, {config.num_state_slots})")
 
 
 def validate_ticket_fields(
@@ -189,13 +195,13 @@ def validate_ticket_fields(
     """Everything a prefill must get right before its ticket is published."""
     validate_id(request_id, "request_id")
     if num_tokens < 1:
-        raise ValueError(f"num_tokens: must be >= 1, got {num_tokens}")
+        raise InvalidInput(f"num_tokens: must be >= 1, got {num_tokens}")
     if first_token < 0:
-        raise ValueError(f"first_token: must be >= 0, got {first_token}")
+        raise InvalidInput(f"first_token: must be >= 0, got {first_token}")
     validate_blocks(block_ids, slot_id, config)
     expected = -(-num_tokens // config.block_size)
     if len(block_ids) != expected:
-        raise ValueError(
+        raise InvalidInput(
             f"block_ids: {len(block_ids)} blocks for {num_tokens} tokens, expected {expected} "
             f"(block_size={config.block_size})"
         )

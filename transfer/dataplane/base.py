@@ -19,6 +19,7 @@ import torch
 from transfer.dataplane.metadata import PeerInfo
 from transfer.dataplane.ranges import RangeBatch
 from transfer.dataplane.types import Notification, Op, State, TransferStatus
+from transfer.errors import Closed, InvalidInput, NotFound, WrongState
 
 MAX_NOTIF_BYTES = 4096
 UNSETTLED = "; its bytes may still move until the peer answers or is gone (settled=False)"
@@ -78,22 +79,22 @@ class ArenaInfo:
 def arena_info(arena: Any) -> ArenaInfo:
     """Validate an arena tensor: uint8, 1-D, contiguous, non-empty, on CPU or CUDA."""
     if not isinstance(arena, torch.Tensor):
-        raise ValueError(f"arena: expected a torch.Tensor, got {type(arena).__name__}")
+        raise InvalidInput(f"arena: expected a torch.Tensor, got {type(arena).__name__}")
     if arena.dtype != torch.uint8 or arena.dim() != 1:
-        raise ValueError(
+        raise InvalidInput(
             f"arena: expected a 1-D uint8 tensor, got {arena.dtype} {tuple(arena.shape)}"
         )
     if not arena.is_contiguous() or arena.numel() == 0:
-        raise ValueError("arena: must be contiguous and non-empty")
+        raise InvalidInput("arena: must be contiguous and non-empty")
     if arena.device.type not in ("cpu", "cuda"):
-        raise ValueError(f"arena: device {arena.device} is neither cpu nor cuda")
+        raise InvalidInput(f"arena: device {arena.device} is neither cpu nor cuda")
     index = arena.device.index if arena.device.type == "cuda" else 0
     return ArenaInfo(arena.data_ptr(), arena.numel(), arena.device.type, index or 0)
 
 
 def check_agent_name(name: Any) -> str:
     if not isinstance(name, str) or not name or len(name) > 128 or not name.isprintable():
-        raise ValueError(f"agent_name: expected 1-128 printable characters, got {name!r}")
+        raise InvalidInput(f"agent_name: expected 1-128 printable characters, got {name!r}")
     return name
 
 
@@ -125,7 +126,7 @@ class TransportBase:
     def register(self, arena: torch.Tensor) -> bytes:
         self._check_open()
         if self.arena is not None:
-            raise ValueError("arena: already registered (one arena per transport)")
+            raise WrongState("arena: already registered (one arena per transport)")
         info = arena_info(arena)
         payload = self._register(arena, info)
         self.arena = info
@@ -143,11 +144,11 @@ class TransportBase:
         self._check_open()
         info = PeerInfo.decode(metadata)
         if info.backend != self.backend:
-            raise ValueError(
+            raise InvalidInput(
                 f"metadata: made by backend {info.backend!r}, this transport is {self.backend!r}"
             )
         if info.name == self.name:
-            raise ValueError(f"metadata: describes this transport itself ({self.name!r})")
+            raise InvalidInput(f"metadata: describes this transport itself ({self.name!r})")
         if info.name in self.peers:
             self.remove_peer(info.name)
         self._add_peer(info)
@@ -168,17 +169,17 @@ class TransportBase:
     ) -> int:
         self._check_open()
         if not isinstance(op, Op):
-            raise ValueError(f"op: expected Op.READ or Op.WRITE, got {op!r}")
+            raise InvalidInput(f"op: expected Op.READ or Op.WRITE, got {op!r}")
         info = self._peer(peer)
         if not isinstance(ranges, RangeBatch):
-            raise ValueError(f"ranges: expected a RangeBatch, got {type(ranges).__name__}")
+            raise InvalidInput(f"ranges: expected a RangeBatch, got {type(ranges).__name__}")
         if self.arena is None:
-            raise ValueError("arena: register an arena before posting transfers")
+            raise WrongState("arena: register an arena before posting transfers")
         ranges.check_within(self.arena.nbytes, info.arena_bytes)
         if not isinstance(notif, bytes) or len(notif) > MAX_NOTIF_BYTES:
-            raise ValueError(f"notif: expected bytes of at most {MAX_NOTIF_BYTES} bytes")
+            raise InvalidInput(f"notif: expected bytes of at most {MAX_NOTIF_BYTES} bytes")
         if not isinstance(deadline_s, int | float) or not (0 < deadline_s < math.inf):
-            raise ValueError(
+            raise InvalidInput(
                 f"deadline_s: expected a positive number of seconds, got {deadline_s!r}"
             )
         now = time.monotonic()
@@ -249,13 +250,13 @@ class TransportBase:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise ValueError(f"transport {self.name!r} is closed")
+            raise Closed(f"transport {self.name!r} is closed")
 
     def _peer(self, peer: str) -> PeerInfo:
         try:
             return self.peers[peer]
         except (KeyError, TypeError):
-            raise ValueError(f"peer: unknown peer {peer!r} (known: {sorted(self.peers)})") from None
+            raise NotFound(f"peer: unknown peer {peer!r} (known: {sorted(self.peers)})") from None
 
     def _stop(self, entry: _Entry, reason: str) -> None:
         """End a pending transfer as FAILED, stopping it as far as the backend can."""
@@ -280,7 +281,7 @@ class TransportBase:
         try:
             return self._entries[handle]
         except (KeyError, TypeError):
-            raise ValueError(f"handle: unknown or released transfer {handle!r}") from None
+            raise NotFound(f"handle: unknown or released transfer {handle!r}") from None
 
     # -- backend hooks ----------------------------------------------------------------
 

@@ -7,6 +7,7 @@ import inspect
 from typing import Any
 
 from transfer.dataplane.base import Transport
+from transfer.errors import InvalidInput
 
 BACKENDS = ("nixl", "ucx", "local")
 DEFAULT_BACKEND = "nixl"
@@ -39,12 +40,14 @@ def make_transport(name: str, agent_name: str, **options: Any) -> Transport:
     """Build a transport. `name` is one of BACKENDS; `options` go to the backend:
     nixl: granule, num_threads; ucx: tls, net_devices; local: none."""
     if name not in _SPECS:
-        raise ValueError(f"backend: unknown transport {name!r} (choose from {', '.join(BACKENDS)})")
+        raise InvalidInput(
+            f"backend: unknown transport {name!r} (choose from {', '.join(BACKENDS)})"
+        )
     cls = _load(name)
     known = [p for p in inspect.signature(cls).parameters if p != "agent_name"]
     unknown = sorted(set(options) - set(known))
     if unknown:
-        raise ValueError(
+        raise InvalidInput(
             f"options: {', '.join(unknown)} not understood by backend {name!r} "
             f"(it takes: {', '.join(known) or 'no options'})"
         )

@@ -15,6 +15,7 @@ from transfer.dataplane.base import ArenaInfo, TransportBase
 from transfer.dataplane.metadata import PeerInfo
 from transfer.dataplane.ranges import RangeBatch
 from transfer.dataplane.types import DONE, Notification, Op, TransferStatus
+from transfer.errors import InvalidInput
 
 _REGISTRY: weakref.WeakValueDictionary[str, LocalTransport] = weakref.WeakValueDictionary()
 _REGISTRY_LOCK = threading.Lock()
@@ -27,7 +28,7 @@ class LocalTransport(TransportBase):
         super().__init__(agent_name)
         with _REGISTRY_LOCK:
             if agent_name in _REGISTRY:
-                raise ValueError(f"agent_name: {agent_name!r} already names a local transport")
+                raise InvalidInput(f"agent_name: {agent_name!r} already names a local transport")
             _REGISTRY[agent_name] = self
         self._tensor: torch.Tensor | None = None
         self._inbox: list[Notification] = []
@@ -40,7 +41,7 @@ class LocalTransport(TransportBase):
     def _add_peer(self, info: PeerInfo) -> None:
         peer = _REGISTRY.get(info.name)
         if peer is None or peer.arena is None or peer.arena.address != info.base_address:
-            raise ValueError(f"metadata: no live local transport {info.name!r} with that arena")
+            raise InvalidInput(f"metadata: no live local transport {info.name!r} with that arena")
 
     def _remove_peer(self, peer: str) -> None:
         pass

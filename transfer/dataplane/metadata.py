@@ -10,6 +10,8 @@ import json
 import struct
 from dataclasses import asdict, dataclass
 
+from transfer.errors import InvalidInput
+
 _MAGIC = b"PDXFDP1\0"
 _LENGTH = struct.Struct("<I")
 
@@ -34,21 +36,21 @@ class PeerInfo:
 
     @classmethod
     def decode(cls, data: bytes) -> PeerInfo:
-        """Raise ValueError on anything that `encode` did not produce."""
+        """Raise InvalidInput on anything that `encode` did not produce."""
         if not isinstance(data, bytes | bytearray | memoryview):
-            raise ValueError(f"metadata: expected bytes, got {type(data).__name__}")
+            raise InvalidInput(f"metadata: expected bytes, got {type(data).__name__}")
         data = bytes(data)
         start = len(_MAGIC) + _LENGTH.size
         if len(data) < start or not data.startswith(_MAGIC):
-            raise ValueError("metadata: not pdxfer dataplane metadata (bad magic)")
+            raise InvalidInput("metadata: not pdxfer dataplane metadata (bad magic)")
         (length,) = _LENGTH.unpack_from(data, len(_MAGIC))
         if start + length > len(data):
-            raise ValueError("metadata: truncated header")
+            raise InvalidInput("metadata: truncated header")
         try:
             fields = json.loads(data[start : start + length])
             info = cls(**fields, payload=data[start + length :])
         except (ValueError, TypeError) as exc:
-            raise ValueError(f"metadata: malformed header ({exc})") from None
+            raise InvalidInput(f"metadata: malformed header ({exc})") from None
         if info.arena_bytes <= 0 or info.base_address < 0 or info.device not in ("cpu", "cuda"):
-            raise ValueError("metadata: arena fields out of range")
+            raise InvalidInput("metadata: arena fields out of range")
         return info

@@ -24,12 +24,41 @@ from typing import Any
 import numpy as np
 import torch
 from nixl._api import nixl_agent, nixl_agent_config
+from nixl._bindings import (
+    nixlBackendError,
+    nixlCancelledError,
+    nixlInvalidParamError,
+    nixlMismatchError,
+    nixlNotAllowedError,
+    nixlNotFoundError,
+    nixlNotPostedError,
+    nixlNotSupportedError,
+    nixlRemoteDisconnectError,
+    nixlRepostActiveError,
+    nixlUnknownError,
+)
 
 from transfer.dataplane.base import ArenaInfo, TransportBase
 from transfer.dataplane.metadata import PeerInfo
 from transfer.dataplane.ranges import RangeBatch
 from transfer.dataplane.types import DONE, PENDING, Notification, Op, TransferStatus
+from transfer.errors import InvalidInput
 
+# What NIXL's bindings raise when a call fails (a peer gone, a handle still busy, ...);
+# anything else is a bug here and propagates.
+NIXL_ERRORS = (
+    nixlBackendError,
+    nixlCancelledError,
+    nixlInvalidParamError,
+    nixlMismatchError,
+    nixlNotAllowedError,
+    nixlNotFoundError,
+    nixlNotPostedError,
+    nixlNotSupportedError,
+    nixlRemoteDisconnectError,
+    nixlRepostActiveError,
+    nixlUnknownError,
+)
 MAX_PREPPED_DESCRIPTORS = 1 << 18
 MIN_GRANULE = 4096
 # Posting through the prepared lists costs per granule, building descriptors costs per
@@ -102,15 +131,15 @@ class NixlTransport(TransportBase):
             isinstance(granule, int)
             and (granule == 0 or (granule >= MIN_GRANULE and granule & (granule - 1) == 0))
         ):
-            raise ValueError(
+            raise InvalidInput(
                 f"granule: expected 'auto', 0 or a power of two >= 4096, got {granule!r}"
             )
         if not isinstance(num_threads, int) or num_threads < 0:
-            raise ValueError(f"num_threads: expected an int >= 0, got {num_threads!r}")
+            raise InvalidInput(f"num_threads: expected an int >= 0, got {num_threads!r}")
         init = {}
         for option, value in (("tls", tls), ("net_devices", net_devices)):
             if value is not None and (not isinstance(value, str) or not value):
-                raise ValueError(f"{option}: expected a non-empty string, got {value!r}")
+                raise InvalidInput(f"{option}: expected a non-empty string, got {value!r}")
         if net_devices:
             init["ucx_devices"] = net_devices
         if num_threads:
@@ -141,7 +170,7 @@ class NixlTransport(TransportBase):
         granule = self._granule_option
         self.granule = auto_granule(info.nbytes) if granule == "auto" else granule
         if self.granule and info.nbytes // self.granule > MAX_PREPPED_DESCRIPTORS * 4:
-            raise ValueError(
+            raise InvalidInput(
                 f"granule: {self.granule} cuts the {info.nbytes}-byte arena into too many "
                 "descriptors; pick a larger granule"
             )
@@ -155,7 +184,7 @@ class NixlTransport(TransportBase):
         name = name.decode() if isinstance(name, bytes) else str(name)
         if name != info.name:
             self._agent.remove_remote_agent(name)
-            raise ValueError(f"metadata: names agent {info.name!r} but carries {name!r}")
+            raise InvalidInput(f"metadata: names agent {info.name!r} but carries {name!r}")
 
     def _remove_peer(self, peer: str) -> None:
         dlist = self._remote_dlists.pop(peer, None)
@@ -220,12 +249,12 @@ class NixlTransport(TransportBase):
     ) -> tuple[_Xfer | None, TransferStatus]:
         try:
             handle = self._make_xfer(op, peer, ranges, notif)
-        except Exception as exc:  # NIXL raises its own types: disconnect, not found, backend
+        except NIXL_ERRORS as exc:
             return None, TransferStatus.failure(f"could not create transfer: {_describe(exc)}")
         xfer = _Xfer(handle)
         try:
             state = self._agent.transfer(handle)
-        except Exception as exc:
+        except NIXL_ERRORS as exc:
             self._discard(xfer)
             return None, TransferStatus.failure(f"could not post transfer: {_describe(exc)}")
         if state == "ERR":
@@ -236,7 +265,7 @@ class NixlTransport(TransportBase):
     def _check(self, record: _Xfer) -> TransferStatus:
         try:
             state = self._agent.check_xfer_state(record.handle)
-        except Exception as exc:
+        except NIXL_ERRORS as exc:
             return TransferStatus.failure(_describe(exc))
         if state == "DONE":
             return DONE
@@ -256,7 +285,7 @@ class NixlTransport(TransportBase):
     def _settled(self, record: _Xfer) -> bool:
         try:
             return self._agent.check_xfer_state(record.handle) != "PROC"
-        except Exception:
+        except NIXL_ERRORS:
             return True
 
     def _discard(self, record: _Xfer | None) -> None:
@@ -264,7 +293,7 @@ class NixlTransport(TransportBase):
             return
         try:
             record.handle.release()
-        except Exception:
+        except NIXL_ERRORS:
             self._stuck.append(record.handle)
         self._stuck = [h for h in self._stuck if not _try_release(h)]
 
@@ -313,12 +342,12 @@ def _try_release(handle: Any) -> bool:
     try:
         handle.release()
         return True
-    except Exception:
+    except NIXL_ERRORS:
         return False
 
 
 def _quietly(fn: Any, *args: Any) -> None:
     try:
         fn(*args)
-    except Exception:
+    except NIXL_ERRORS:
         logging.getLogger(__name__).debug("ignored error during close", exc_info=True)

@@ -7,15 +7,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from transfer.errors import InvalidInput
+
 
 def _column(values: object, field: str) -> np.ndarray:
     array = np.asarray(values)
     if array.ndim != 1:
-        raise ValueError(f"ranges.{field}: expected a 1-D array, got shape {array.shape}")
+        raise InvalidInput(f"ranges.{field}: expected a 1-D array, got shape {array.shape}")
     if array.size and array.dtype.kind not in "iu":
-        raise ValueError(f"ranges.{field}: expected integers, got dtype {array.dtype}")
+        raise InvalidInput(f"ranges.{field}: expected integers, got dtype {array.dtype}")
     if array.dtype.kind == "u" and array.size and array.max() > np.iinfo(np.int64).max:
-        raise ValueError(f"ranges.{field}: values exceed int64")
+        raise InvalidInput(f"ranges.{field}: values exceed int64")
     column = np.ascontiguousarray(array, dtype=np.int64).copy()
     column.flags.writeable = False
     return column
@@ -37,20 +39,20 @@ class RangeBatch:
         for field in ("local", "remote", "nbytes"):
             object.__setattr__(self, field, _column(getattr(self, field), field))
         if not len(self.local) == len(self.remote) == len(self.nbytes):
-            raise ValueError(
+            raise InvalidInput(
                 "ranges: local, remote and nbytes differ in length "
                 f"({len(self.local)}, {len(self.remote)}, {len(self.nbytes)})"
             )
         if len(self.local) == 0:
-            raise ValueError("ranges: empty batch")
+            raise InvalidInput("ranges: empty batch")
         for field in ("local", "remote"):
             if getattr(self, field).min() < 0:
-                raise ValueError(f"ranges.{field}: negative offset")
+                raise InvalidInput(f"ranges.{field}: negative offset")
         if self.nbytes.min() <= 0:
-            raise ValueError("ranges.nbytes: every range needs at least one byte")
+            raise InvalidInput("ranges.nbytes: every range needs at least one byte")
         for field in ("local", "remote"):
             if (getattr(self, field) > np.iinfo(np.int64).max - self.nbytes).any():
-                raise ValueError(f"ranges.{field}: offset + nbytes overflows int64")
+                raise InvalidInput(f"ranges.{field}: offset + nbytes overflows int64")
 
     @classmethod
     def of(cls, triples: Iterable[tuple[int, int, int]]) -> RangeBatch:
@@ -73,12 +75,12 @@ class RangeBatch:
         return int(self.nbytes.sum())
 
     def check_within(self, local_bytes: int, remote_bytes: int) -> None:
-        """Raise ValueError naming the column if a range leaves its arena."""
+        """Raise InvalidInput naming the column if a range leaves its arena."""
         for field, size in (("local", local_bytes), ("remote", remote_bytes)):
             ends = getattr(self, field) + self.nbytes
             worst = int(np.argmax(ends))
             if ends[worst] > size:
-                raise ValueError(
+                raise InvalidInput(
                     f"ranges.{field}[{worst}]: range ends at byte {int(ends[worst])}, "
                     f"past the {field} arena of {size} bytes"
                 )

@@ -15,6 +15,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from transfer.errors import InvalidInput
+
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")  # ucxx sets UCX_MEMTYPE_CACHE
 
 import numpy as np  # noqa: E402
@@ -90,7 +92,7 @@ class UcxTransport(TransportBase):
         ):
             if value is not None:
                 if not isinstance(value, str) or not value:
-                    raise ValueError(f"{option}: expected a non-empty string, got {value!r}")
+                    raise InvalidInput(f"{option}: expected a non-empty string, got {value!r}")
                 config[key] = value
         features = (ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP)
         self._context = ucx_api.UCXContext(config, feature_flags=features)

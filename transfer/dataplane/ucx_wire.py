@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from transfer.errors import InvalidInput
+
 KIND_SHIFT = 56
 KIND_MASK = 0xFF << KIND_SHIFT
 REQUEST_TAG = 1 << KIND_SHIFT
@@ -84,13 +86,13 @@ def encode_request(request: Request) -> np.ndarray:
 
 
 def decode_request(buffer: np.ndarray) -> Request:
-    """Raise ValueError on a message `encode_request` did not make."""
+    """Raise InvalidInput on a message `encode_request` did not make."""
     data = buffer.tobytes()
     if len(data) < _REQUEST.size:
-        raise ValueError("request: truncated")
+        raise InvalidInput("request: truncated")
     magic, version, op, name_len, addr_len, notif_len, tid, n, deadline = _REQUEST.unpack_from(data)
     if magic != b"PDXU" or version != 1 or op not in (OP_READ, OP_WRITE) or n <= 0:
-        raise ValueError("request: bad header")
+        raise InvalidInput("request: bad header")
     pos = _REQUEST.size
     name = data[pos : pos + name_len]
     address = data[pos + name_len : pos + name_len + addr_len]
@@ -98,7 +100,7 @@ def decode_request(buffer: np.ndarray) -> Request:
     pos += name_len + addr_len + notif_len
     pos += -pos % 8
     if len(data) != pos + 16 * n:
-        raise ValueError("request: length does not match its range count")
+        raise InvalidInput("request: length does not match its range count")
     columns = np.frombuffer(data, dtype="<i8", offset=pos).astype(np.int64)
     return Request(
         op, tid, name.decode(errors="replace"), address, notif, columns[:n], columns[n:], deadline

@@ -5,7 +5,8 @@ Public API (what workers build on):
 - `CacheAccess`, `ArenaCaches`, `LocalCaches`: the caches a `RankEngine` runs over.
 - `TPGroup`, `init_tp_group`: the torch.distributed group of one model instance.
 - `reference_generate`: the colocated TP=1 generation that `--verify` compares against.
-- `CacheFillingError`, `SlotPhase`: the slot lifecycle (REFERENCE.md §5 bugs 4 and 6).
+- `load_model`: one TP rank's model from a checkpoint directory or a preset name.
+- `CacheFillingError`, `SlotPhase`: the slot lifecycle (docs/bugs.md, bugs 4 and 6).
 
 Names load on first access (PEP 562): importing a torch-free submodule such as
 `transfer.serving.router` does not import torch.
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from transfer.model.caches import ArenaCaches, CacheAccess, LocalCaches
     from transfer.model.distributed import TPGroup, free_port, init_tp_group
+    from transfer.model.loader import RankModel, load_model, model_for_geometry
     from transfer.model.reference import full_sequence_logits, reference_generate
     from transfer.model.runner import RankEngine, blocks_needed
     from transfer.model.slots import CacheFillingError, SlotPhase
@@ -30,6 +32,9 @@ _HOMES = {
     "TPGroup": "transfer.model.distributed",
     "free_port": "transfer.model.distributed",
     "init_tp_group": "transfer.model.distributed",
+    "RankModel": "transfer.model.loader",
+    "load_model": "transfer.model.loader",
+    "model_for_geometry": "transfer.model.loader",
     "full_sequence_logits": "transfer.model.reference",
     "reference_generate": "transfer.model.reference",
     "RankEngine": "transfer.model.runner",
@@ -44,12 +49,15 @@ __all__ = [
     "CacheFillingError",
     "LocalCaches",
     "RankEngine",
+    "RankModel",
     "SlotPhase",
     "TPGroup",
     "blocks_needed",
     "free_port",
     "full_sequence_logits",
     "init_tp_group",
+    "load_model",
+    "model_for_geometry",
     "reference_generate",
 ]
 

@@ -130,13 +130,16 @@ class Checkpoint:
     def read_rows(self, name: str, segments: Sequence[Segment], tp: int, rank: int) -> torch.Tensor:
         """Column-parallel: the rank's rows (dim 0) of a tensor whose dim 0 concatenates
         `segments`; the rank's pieces of each segment, concatenated in order."""
-        return self._read_pieces(name, 0, segments, tp, rank)
+        return self.read_dim(name, 0, segments, tp, rank)
 
     def read_cols(self, name: str, segments: Sequence[Segment], tp: int, rank: int) -> torch.Tensor:
-        """Row-parallel: the rank's columns (dim -1) of a 2-D tensor, as `read_rows`."""
-        return self._read_pieces(name, 1, segments, tp, rank)
+        """Row-parallel: the rank's columns (dim 1) of a 2-D tensor, as `read_rows`."""
+        return self.read_dim(name, 1, segments, tp, rank)
 
-    def _read_pieces(self, name, dim, segments, tp, rank) -> torch.Tensor:
+    def read_dim(
+        self, name: str, dim: int, segments: Sequence[Segment], tp: int, rank: int
+    ) -> torch.Tensor:
+        """As `read_rows`, along any `dim` (fused expert tensors [E, 2I, H] shard dim 1)."""
         handle = self._slice(name)
         shape = handle.get_shape()
         expected = sum(s.num_units * s.unit_elems for s in segments)
@@ -145,9 +148,8 @@ class Checkpoint:
                 f"model: tensor {name!r} has shape {list(shape)}, expected {expected} along "
                 f"dim {dim} ({', '.join(f'{s.num_units} {s.name}' for s in segments)})"
             )
-        parts = []
-        for piece in rank_pieces(segments, tp, rank):
-            parts.append(handle[piece] if dim == 0 else handle[:, piece])
+        lead = (slice(None),) * dim
+        parts = [handle[(*lead, piece)] for piece in rank_pieces(segments, tp, rank)]
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
 
     def close(self) -> None:

@@ -10,8 +10,8 @@ import torch
 from transfer.geometry import ModelGeometry
 from transfer.model.caches import LocalCaches
 from transfer.model.distributed import TPGroup
-from transfer.model.hybrid import HybridModel
 from transfer.model.layers.common import Step
+from transfer.model.loader import RankModel, model_for_geometry
 from transfer.model.runner import RankEngine, blocks_needed
 
 REFERENCE_BLOCK_SIZE = 16
@@ -40,12 +40,12 @@ def reference_generate(
 
 
 @functools.lru_cache(maxsize=4)
-def reference_model(geometry: ModelGeometry, seed: int = 0, device: str = "cpu") -> HybridModel:
+def reference_model(geometry: ModelGeometry, seed: int = 0, device: str = "cpu") -> RankModel:
     """The TP=1 model, built once per (geometry, seed, device): it holds weights only."""
-    return HybridModel(geometry, TPGroup.single(), seed, device)
+    return model_for_geometry(geometry, TPGroup.single(), seed, device)
 
 
-def full_sequence_logits(model: HybridModel, token_ids: Sequence[int]) -> torch.Tensor:
+def full_sequence_logits(model: RankModel, token_ids: Sequence[int]) -> torch.Tensor:
     """Logits [T, vocab] of every position, recomputed from scratch with no cache at all."""
     ids = torch.tensor(list(token_ids), dtype=torch.long, device=model.device)
     positions = torch.arange(len(ids), device=model.device)

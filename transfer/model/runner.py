@@ -14,8 +14,8 @@ import torch
 from transfer.geometry import ModelGeometry
 from transfer.model.caches import CacheAccess
 from transfer.model.distributed import TPGroup
-from transfer.model.hybrid import HybridModel
 from transfer.model.layers.common import Step
+from transfer.model.loader import RankModel, model_for_geometry
 from transfer.model.slots import SlotPhase, SlotTable
 
 
@@ -44,8 +44,10 @@ class RankEngine:
     Any step or `mark_filling` that touches a slot or block being filled raises
     `CacheFillingError` (a RuntimeError) and changes nothing; decoding a FREE slot, or
     prefilling / filling a READY one, raises ValueError. `tp` None means TP=1 in-process;
-    `device` is where the weights live and must be the caches' device. `model` reuses a
-    shard built for the same geometry, rank, seed and device (it holds weights only).
+    `device` is where the weights live and must be the caches' device. `model` is a shard
+    built for the same geometry, rank and device (`transfer.model.loader.load_model`; it
+    holds weights only, so engines may share it); without it the preset geometry's model is
+    built from `seed`.
     """
 
     def __init__(
@@ -56,23 +58,23 @@ class RankEngine:
         seed: int = 0,
         device: torch.device | str = "cpu",
         *,
-        model: HybridModel | None = None,
+        model: RankModel | None = None,
     ) -> None:
         self.geometry = geometry
         self.caches = caches
         self.tp = tp or TPGroup.single()
         self.device = torch.device(device)
         if model is None:
-            model = HybridModel(geometry, self.tp, seed, self.device)
-        elif (model.geometry, model.tp.size, model.tp.rank, model.seed, model.device) != (
-            geometry, self.tp.size, self.tp.rank, seed, self.device
-        ):  # fmt: skip
+            model = model_for_geometry(geometry, self.tp, seed, self.device)
+        elif (model.geometry, model.tp.size, model.tp.rank, model.device) != (
+            geometry, self.tp.size, self.tp.rank, self.device
+        ) or model.seed not in (None, seed):  # fmt: skip
             raise ValueError("model: built for another geometry, TP rank, seed or device")
         self.model = model
         self.slots = SlotTable(caches.num_slots)
         self.has_kv = bool(geometry.attention_layers)
 
-    # -- transfer hooks (REFERENCE.md §5 bugs 4 and 6) ------------------------------------
+    # -- transfer hooks (docs/bugs.md, bugs 4 and 6) -------------------------------------
 
     def mark_filling(self, slot: int, block_ids: Sequence[int]) -> None:
         """A transfer is about to write `slot` and `block_ids`; steps on them raise until ready."""

@@ -1,6 +1,6 @@
 """Which slots hold a request's state, and which are being filled by a transfer.
 
-Two shipped bugs (REFERENCE.md §5) live here:
+Two shipped bugs (docs/bugs.md) live here:
 - bug 4: a "new request" reset cleared a transferred state. Only a local prefill starts
   a slot from zeros; `mark_ready` after a transfer leaves the bytes alone.
 - bug 6: a step overwrote a slot an in-flight transfer was filling. Every step checks

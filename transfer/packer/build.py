@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from transfer.cache.layout import Layout
+from transfer.errors import InvalidInput
 from transfer.packer.pieces import decode_rank_pieces
 from transfer.packer.plan import Mode, Ranges, SourcePlan, TransferPlan
 from transfer.packer.request import TransferRequest, validate
@@ -20,7 +21,7 @@ class StagingPolicy:
     """When to stage: a source with at least `min_small_ranges` ranges under `small_bytes`
     gathers those into its staging area and sends them as one range; larger ranges stay
     direct. (NIXL on 2 cores: 3.08 GB/s as one descriptor, 2.11 as 64 KiB pieces, 1.11 as
-    16 KiB pieces; DESIGN.md.)"""
+    16 KiB pieces; docs/architecture.md, "Design".)"""
 
     enabled: bool = True
     small_bytes: int = 64 * 1024
@@ -29,7 +30,9 @@ class StagingPolicy:
     def __post_init__(self) -> None:
         for field in ("small_bytes", "min_small_ranges"):
             if getattr(self, field) < 1:
-                raise ValueError(f"staging policy {field} must be >= 1, got {getattr(self, field)}")
+                raise InvalidInput(
+                    f"staging policy {field} must be >= 1, got {getattr(self, field)}"
+                )
 
 
 def coalesce(src: np.ndarray, dst: np.ndarray, lengths: np.ndarray) -> Ranges:
@@ -134,7 +137,7 @@ def plan_transfer(
 ) -> tuple[TransferPlan, ...]:
     """One `TransferPlan` per decode rank for `request`.
 
-    `prefill` / `decode`: one layout per rank, in rank order. Raises ValueError naming the
+    `prefill` / `decode`: one layout per rank, in rank order. Raises InvalidInput naming the
     field for bad input (nothing is planned). Staged plans of one call use disjoint parts
     of each staging area; the caller must not run two staged plans on a rank at once.
     """

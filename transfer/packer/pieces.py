@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from transfer.cache.head_units import StateUnit
 from transfer.cache.layout import Layout
-from transfer.cache.units import StateUnit
 from transfer.geometry import CacheTensor, Role, Segment
 from transfer.packer.request import TransferRequest
 

@@ -9,6 +9,8 @@ from typing import Any
 
 import numpy as np
 
+from transfer.errors import InvalidInput
+
 
 def _int64(values: Any) -> np.ndarray:
     array = np.array(values, dtype=np.int64)  # a private copy, so read-only is safe
@@ -28,7 +30,7 @@ class Ranges:
         for field in ("src", "dst", "lengths"):
             object.__setattr__(self, field, _int64(getattr(self, field)))
         if not len(self.src) == len(self.dst) == len(self.lengths):
-            raise ValueError("ranges: src, dst and lengths differ in length")
+            raise InvalidInput("ranges: src, dst and lengths differ in length")
 
     @classmethod
     def empty(cls) -> Ranges:
@@ -118,7 +120,7 @@ class TransferPlan:
         for source in self.sources:
             if source.prefill_rank == prefill_rank:
                 return source
-        raise ValueError(
+        raise InvalidInput(
             f"decode rank {self.decode_rank} reads nothing from prefill rank {prefill_rank}"
         )
 

@@ -17,15 +17,26 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from transfer.cache.layout import Layout
-from transfer.cache.pools import CacheFullError
 from transfer.control.client import ClientOptions, TransferClient
 from transfer.control.errors import ControlError
 from transfer.control.metrics import WorkerMetrics
 from transfer.control.types import DecodeRequest, Ticket, TokenEvent
+from transfer.errors import InvalidInput, PdxferError, PeerUnavailable, TransferFailed
 from transfer.packer import StagingPolicy, TransferRequest, plan_transfer
+from transfer.serving.commands import (
+    AddPeers,
+    DecodeStep,
+    Release,
+    Snapshot,
+    TransferEnd,
+    TransferPoll,
+    TransferSettled,
+    TransferStart,
+    TransferState,
+)
 from transfer.serving.instance import Instance
-from transfer.serving.ranks import RankCommandError
-from transfer.serving.spec import RankReads
+from transfer.serving.rank_protocol import RankCommandError
+from transfer.serving.spec import RankReads, ReadBatch
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +58,7 @@ class Peer:
 class Reads:
     """The transfer of one request, planned: per-rank READs and what they move."""
 
-    per_rank: list[RankReads]
+    per_rank: tuple[RankReads, ...]
     kv_bytes: int
     state_bytes: int
     descriptors: int
@@ -63,30 +74,22 @@ def plan_reads(peer: Peer, local: tuple[Layout, ...], ticket: Ticket, blocks, sl
         dst_slots=(slot,),
     )
     plans = plan_transfer(peer.layouts, local, request, StagingPolicy(enabled=False))
-    per_rank = [
+    per_rank = tuple(
         RankReads(
             tuple(
-                (s.prefill_rank, s.wire.dst, s.wire.src, s.wire.lengths)
+                ReadBatch(s.prefill_rank, s.wire.dst, s.wire.src, s.wire.lengths)
                 for s in plan.sources
                 if len(s.wire)
             )
         )
         for plan in plans
-    ]
+    )
     return Reads(
         per_rank,
         sum(p.kv_bytes for p in plans),
         sum(p.state_bytes for p in plans),
         sum(p.descriptors for p in plans),
     )
-
-
-class TransferFailed(ControlError):
-    """`settled` is False while some READ of the failed transfer may still land."""
-
-    def __init__(self, details: str, settled: bool = True):
-        super().__init__("UNAVAILABLE", details)
-        self.settled = settled
 
 
 class DecodeWorker:
@@ -130,12 +133,12 @@ class DecodeWorker:
             try:
                 reply = client.handshake(self.instance_id, self.instance.compat)
                 layouts = tuple(Layout.from_dict(json.loads(b)) for b in reply.rank_layouts)
-                staging = [layout.staging_offset for layout in layouts]
-                metadata = list(reply.rank_metadata)
-                self.instance.ranks.call("add_peers", reply.instance_id, metadata, staging)
+                staging = tuple(layout.staging_offset for layout in layouts)
+                metadata = tuple(reply.rank_metadata)
+                self.instance.ranks.call(AddPeers(reply.instance_id, metadata, staging))
             except RankCommandError as exc:
                 client.close()
-                raise ControlError("UNAVAILABLE", f"connecting to {address}: {exc}") from None
+                raise PeerUnavailable(f"connecting to {address}: {exc}") from None
             except BaseException:
                 client.close()
                 raise
@@ -158,24 +161,22 @@ class DecodeWorker:
         start = time.perf_counter()
         ticket = request.ticket
         if not ticket.address:
-            raise ValueError("ticket.address: the prefill instance's address is required")
+            raise InvalidInput("ticket.address: the prefill instance's address is required")
         try:
             peer = self.peer(ticket.address, ticket.instance_id)
             ticket = peer.client.acquire(ticket.request_id, self.instance_id)
-        except ControlError as exc:
-            if exc.code == "UNAVAILABLE":
+        except (ControlError, PeerUnavailable) as exc:
+            if _unreachable(exc):
                 self.forget(request.ticket.address)
             raise
         rid, pools, ranks = ticket.request_id, self.instance.pools, self.instance.ranks
         total = ticket.num_tokens + request.max_tokens - 1  # the last token is never fed back
         try:
             cache = pools.allocate(rid, total)
-        except (CacheFullError, ValueError) as exc:
+        except (PdxferError, ValueError) as exc:  # full (CapacityError) or too long
             self._abort(peer, rid, f"decode {self.instance_id}: {exc}")
-            if isinstance(exc, CacheFullError):
-                raise ControlError("RESOURCE_EXHAUSTED", str(exc)) from None
             raise
-        blocks, slot = list(cache.block_ids), cache.slot_ids[0]
+        blocks, slot = tuple(cache.block_ids), cache.slot_ids[0]
         released = False
         settled = True
         try:
@@ -187,7 +188,7 @@ class DecodeWorker:
                 settled = exc.settled
                 raise
             if self.instance.config.dump_dir:
-                ranks.call("snapshot", rid, "decode", blocks, slot, ticket.num_tokens)
+                ranks.call(Snapshot(rid, "decode", blocks, slot, ticket.num_tokens))
             peer.client.release(rid, self.instance_id, ticket.block_ids, ticket.slot_id)
             released = True
             yield TokenEvent(
@@ -204,7 +205,7 @@ class DecodeWorker:
             token = ticket.first_token
             for index in range(1, request.max_tokens):
                 position = ticket.num_tokens + index - 1
-                token = ranks.call("decode_step", token, position, blocks, slot)[0]
+                token = ranks.call(DecodeStep(token, position, blocks, slot))[0]
                 yield TokenEvent(rid, token, index, finished=index == request.max_tokens - 1)
         finally:
             if not released:
@@ -216,14 +217,14 @@ class DecodeWorker:
 
     def _free(self, rid: str, slot: int) -> None:
         try:
-            self.instance.ranks.call("release", slot)
-        except (RankCommandError, ControlError) as exc:
+            self.instance.ranks.call(Release(slot))
+        except PdxferError as exc:
             logger.warning("releasing slot %d of %r on the ranks: %s", slot, rid, exc)
         self.instance.pools.free(rid)
 
     def _hold_until_settled(self, rid: str, slot: int) -> None:
         """Keep the blocks and slot of `rid` out of the pools until no READ can still land
-        in them (REFERENCE.md §5 bug 6, from the transport's side)."""
+        in them (docs/bugs.md, bug 6, from the transport's side)."""
         logger.warning("transfer of %r may still move bytes: holding its cache until settled", rid)
         with self._quarantine_lock:
             self._quarantine[rid] = slot
@@ -237,8 +238,8 @@ class DecodeWorker:
                 held = dict(self._quarantine)
             for rid, slot in held.items():
                 try:
-                    settled = all(self.instance.ranks.call("transfer_settled", rid))
-                except (RankCommandError, ControlError) as exc:
+                    settled = all(self.instance.ranks.call(TransferSettled(rid)))
+                except PdxferError as exc:
                     logger.warning("polling the held transfer %r: %s", rid, exc)
                     continue
                 if settled:
@@ -251,27 +252,32 @@ class DecodeWorker:
         with self._quarantine_lock:
             return sorted(self._quarantine)
 
-    def _transfer(self, peer: Peer, ticket: Ticket, reads: Reads, blocks, slot: int) -> float:
+    def _transfer(
+        self, peer: Peer, ticket: Ticket, reads: Reads, blocks: tuple[int, ...], slot: int
+    ) -> float:
         """Post every rank's READs and poll them to DONE; seconds taken (the slowest rank's,
         from posting to done, as the rank measured it). Heartbeats keep the lease while
         waiting. Raises TransferFailed (the slot stays FILLING until released)."""
         ranks, rid = self.instance.ranks, ticket.request_id
         heartbeat_every = max(0.2, (ticket.lease_deadline - time.time()) / 3)
         begin = last_beat = time.perf_counter()
-        status, seconds = "failed: not started", 0.0
+        failure, seconds = "not started", 0.0
         settled = True
         try:
-            ranks.call("transfer_start", rid, peer.instance_id, reads.per_rank, slot, blocks,
-                       self.transfer_deadline_s)  # fmt: skip
+            ranks.call(TransferStart(rid, peer.instance_id, reads.per_rank, slot, blocks,
+                                     self.transfer_deadline_s))  # fmt: skip
             while True:
-                polled = ranks.call("transfer_poll", rid)
-                states = [state for state, _ in polled]
-                failed = [f"rank {r}: {s}" for r, s in enumerate(states) if s.startswith("failed")]
+                statuses = ranks.call(TransferPoll(rid))
+                failed = [
+                    f"rank {r}: {s.reason}"
+                    for r, s in enumerate(statuses)
+                    if s.state is TransferState.FAILED
+                ]
                 if failed:
-                    status = "; ".join(failed)
+                    failure = "; ".join(failed)
                     break
-                if all(s == "done" for s in states):
-                    status, seconds = "done", max(s for _, s in polled)
+                if all(s.state is TransferState.DONE for s in statuses):
+                    failure, seconds = "", max(s.seconds for s in statuses)
                     break
                 if time.perf_counter() - last_beat > heartbeat_every:
                     peer.client.heartbeat(rid, self.instance_id)
@@ -280,19 +286,19 @@ class DecodeWorker:
         finally:
             seconds = seconds or time.perf_counter() - begin
             try:
-                settled = all(ranks.call("transfer_end", rid))
-            except (RankCommandError, ControlError) as exc:
+                settled = all(ranks.call(TransferEnd(rid)))
+            except PdxferError as exc:
                 logger.warning("ending transfer of %r: %s", rid, exc)
             if self.metrics is not None:
                 moved = {"kv": reads.kv_bytes, "state": reads.state_bytes}
-                ok = status == "done"
+                ok = not failure
                 self.metrics.record_transfer(
                     "done" if ok else "failed", seconds, moved if ok else None, reads.descriptors
                 )
-        if status != "done":
+        if failure:
             self.forget(peer.address)
             raise TransferFailed(
-                f"transfer of {rid!r} from {peer.instance_id} failed: {status}", settled
+                f"transfer of {rid!r} from {peer.instance_id} failed: {failure}", settled=settled
             )
         return seconds
 
@@ -308,3 +314,8 @@ class DecodeWorker:
             for peer in self._peers.values():
                 peer.client.close()
             self._peers.clear()
+
+
+def _unreachable(exc: BaseException) -> bool:
+    """Whether `exc` says the prefill instance cannot be reached (handshake again)."""
+    return isinstance(exc, PeerUnavailable) or getattr(exc, "code", "") == "UNAVAILABLE"

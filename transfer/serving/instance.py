@@ -18,9 +18,10 @@ from dataclasses import dataclass
 from transfer.cache.layout import Layout
 from transfer.cache.pools import CachePools
 from transfer.control.types import make_compat
+from transfer.errors import InvalidInput
 from transfer.geometry import ModelGeometry
 from transfer.memplan import MemoryPlan, PagePolicy, plan_memory
-from transfer.serving.procs import free_port
+from transfer.serving.commands import Info
 from transfer.serving.ranks import RankGroup
 from transfer.serving.spec import WORKER_DTYPES, RankSpec
 
@@ -44,23 +45,21 @@ class InstanceConfig:
     nnodes: int = 1
     node_rank: int = 0
     dist_addr: str | None = None
-    net_device: str | None = None  # UCX_NET_DEVICES for the data plane (from --data-host)
+    net_device: str | None = None  # UCX_NET_DEVICES for the data plane
     agent_prefix: str = ""
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
-            raise ValueError(f"role must be prefill or decode, got {self.role!r}")
+            raise InvalidInput(f"role: must be prefill or decode, got {self.role!r}")
         for name in ("tp", "max_seqs", "min_block_size", "nnodes"):
             if getattr(self, name) < 1:
-                raise ValueError(
-                    f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}"
-                )
+                raise InvalidInput(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.tp % self.nnodes:
-            raise ValueError(f"--nnodes {self.nnodes} must divide --tp {self.tp}")
+            raise InvalidInput(f"nnodes: {self.nnodes} must divide tp {self.tp}")
         if not 0 <= self.node_rank < self.nnodes:
-            raise ValueError(f"--node-rank must be in [0, {self.nnodes}), got {self.node_rank}")
+            raise InvalidInput(f"node_rank: must be in [0, {self.nnodes}), got {self.node_rank}")
         if self.nnodes > 1 and not self.dist_addr:
-            raise ValueError("--dist-addr HOST:PORT is required when --nnodes > 1")
+            raise InvalidInput("dist_addr: HOST:PORT is required when nnodes > 1")
         self.geometry.check_tp(self.tp)
 
     @property
@@ -83,9 +82,9 @@ def plan_for(config: InstanceConfig) -> MemoryPlan:
         **common,
     )
     if plan.block_size != block.block_size:
-        raise ValueError(
-            f"--tp {config.tp}: the memory plan wants {plan.block_size}-token blocks, "
-            f"TP=1 wants {block.block_size}; raise --block-size to {plan.block_size}"
+        raise InvalidInput(
+            f"tp: at {config.tp} the memory plan wants {plan.block_size}-token blocks, "
+            f"TP=1 wants {block.block_size}; raise min_block_size to {plan.block_size}"
         )
     return plan
 
@@ -93,9 +92,6 @@ def plan_for(config: InstanceConfig) -> MemoryPlan:
 def rank_specs(config: InstanceConfig, plan: MemoryPlan) -> list[RankSpec]:
     """This node's ranks."""
     per_node = config.tp // config.nnodes
-    dist_init = None
-    if config.tp > 1:
-        dist_init = f"tcp://{config.dist_addr or f'127.0.0.1:{free_port()}'}"
     prefix = config.agent_prefix or f"{config.role}-{socket.gethostname()}-{os.getpid()}"
     env = (("UCX_NET_DEVICES", config.net_device),) if config.net_device else ()
     return [
@@ -110,7 +106,6 @@ def rank_specs(config: InstanceConfig, plan: MemoryPlan) -> list[RankSpec]:
             device=config.device,
             local_rank=rank - config.node_rank * per_node,
             seed=config.seed,
-            dist_init=dist_init,
             dump_dir=config.dump_dir,
             env=env,
         )
@@ -124,16 +119,22 @@ class Instance:
     def __init__(self, config: InstanceConfig) -> None:
         self.config = config
         self.plan = plan_for(config)
-        self.ranks = RankGroup(rank_specs(config, self.plan), BUILD_RANK_WORKER)
+        dist_init = f"tcp://{config.dist_addr}" if config.dist_addr and config.tp > 1 else None
+        self.ranks = RankGroup(
+            rank_specs(config, self.plan),
+            BUILD_RANK_WORKER,
+            dist_init=dist_init,
+            label=f"{config.role} ranks",
+        )
         if not config.is_leader:
             return
         try:
-            infos = self.ranks.call("info")
+            infos = self.ranks.call(Info())
         except Exception:
             self.ranks.close()
             raise
-        self.rank_metadata = tuple(meta for meta, _ in infos)
-        self.rank_layouts = tuple(layout for _, layout in infos)
+        self.rank_metadata = tuple(info.metadata for info in infos)
+        self.rank_layouts = tuple(info.layout for info in infos)
         self.layouts = tuple(Layout.from_dict(json.loads(b)) for b in self.rank_layouts)
         self.pools = CachePools.from_plan(self.plan)
         fields = self.layouts[0].compat_fields()

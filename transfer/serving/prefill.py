@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import logging
 
-from transfer.cache.pools import CacheFullError
-from transfer.control.errors import ControlError
 from transfer.control.metrics import WorkerMetrics
 from transfer.control.tickets import TicketStore
 from transfer.control.types import (
@@ -20,8 +18,10 @@ from transfer.control.types import (
     Ticket,
     compat_hash,
 )
+from transfer.errors import InvalidInput
+from transfer.serving.commands import Prefill, Release, Snapshot
 from transfer.serving.instance import Instance
-from transfer.serving.ranks import RankCommandError, RankGroupDead
+from transfer.serving.rank_protocol import RankCommandError, RankGroupDead
 
 logger = logging.getLogger(__name__)
 
@@ -67,22 +67,19 @@ class PrefillWorker:
         vocab = self.instance.config.geometry.vocab_size
         bad = [t for t in request.prompt_ids if t >= vocab]
         if bad:
-            raise ValueError(f"prompt_ids: token ids must be < vocab size {vocab}, got {bad[:5]}")
+            raise InvalidInput(f"prompt_ids: token ids must be < vocab size {vocab}, got {bad[:5]}")
         num_tokens = len(request.prompt_ids)
-        pools = self.instance.pools
-        try:
-            cache = pools.allocate(request.request_id, num_tokens)
-        except CacheFullError as exc:
-            raise ControlError("RESOURCE_EXHAUSTED", str(exc)) from None
-        blocks, slot = list(cache.block_ids), cache.slot_ids[0]
+        rid = request.request_id
+        cache = self.instance.pools.allocate(rid, num_tokens)  # CapacityError when full
+        blocks, slot = tuple(cache.block_ids), cache.slot_ids[0]
         ranks = self.instance.ranks
         try:
-            first = _same(ranks.call("prefill", list(request.prompt_ids), blocks, slot), "prefill")
+            first = _same(ranks.call(Prefill(tuple(request.prompt_ids), blocks, slot)))
             if self.instance.config.dump_dir:
-                ranks.call("snapshot", request.request_id, "prefill", blocks, slot, num_tokens)
-            return self.store.publish(request.request_id, blocks, slot, num_tokens, first)
+                ranks.call(Snapshot(rid, "prefill", blocks, slot, num_tokens))
+            return self.store.publish(rid, list(blocks), slot, num_tokens, first)
         except BaseException:
-            self._free(request.request_id, slot)
+            self._free(rid, slot)
             raise
 
     def _on_free(self, ticket: Ticket, reason: FreeReason) -> None:
@@ -92,7 +89,7 @@ class PrefillWorker:
 
     def _free(self, request_id: str, slot: int) -> None:
         try:
-            self.instance.ranks.call("release", slot)
+            self.instance.ranks.call(Release(slot))
         except (RankCommandError, RankGroupDead) as exc:
             logger.warning("releasing slot %d of %r on the ranks: %s", slot, request_id, exc)
         self.instance.pools.free(request_id)
@@ -101,8 +98,8 @@ class PrefillWorker:
         self.store.stop()
 
 
-def _same(results: list, what: str):
-    """The value every rank agreed on (they broadcast rank 0's choice)."""
+def _same(results: list[int]) -> int:
+    """The token every rank agreed on (they broadcast rank 0's choice)."""
     if any(r != results[0] for r in results):
-        raise RuntimeError(f"{what}: ranks disagree: {results}")
+        raise RuntimeError(f"prefill: ranks disagree on the first token: {results}")
     return results[0]

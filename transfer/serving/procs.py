@@ -13,7 +13,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -32,21 +31,17 @@ def ready_line(role: str, address: str, metrics_port: int) -> str:
     return READY_PREFIX + json.dumps(info, sort_keys=True)
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM when the parent exits (Linux prctl PR_SET_PDEATHSIG)."""
+def die_with_parent(parent_pid: int | None = None) -> None:
+    """SIGTERM this process when its parent exits (Linux prctl PR_SET_PDEATHSIG). With
+    `parent_pid`, exit at once if that parent is already gone (it died before the prctl)."""
     try:
         import ctypes
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
     except (OSError, AttributeError):
         pass
+    if parent_pid is not None and os.getppid() != parent_pid:
+        os._exit(1)
 
 
 @dataclass
@@ -108,7 +103,7 @@ def start_serve(
         stderr=err,
         env={**os.environ, **(env or {})},
         start_new_session=True,
-        preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+        preexec_fn=die_with_parent if sys.platform.startswith("linux") else None,
     )
     return ServeProcess(role, popen, stdout_path, stderr_path, _stdout=out, _stderr=err)
 

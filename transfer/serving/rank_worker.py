@@ -1,12 +1,13 @@
 """What one TP rank process holds and does: its arena, transport agent and model shard.
 
-Every public method is a command the control process runs on all ranks at once
-(`RankGroup.call`); each rank acts on its own shard and answers for itself.
+Every public method backs a command of `transfer.serving.commands`, which the control
+process runs on all ranks at once (`RankGroup.call`); each rank acts on its own shard and
+answers for itself.
 
 A transfer into this rank is asynchronous: `transfer_start` marks the slot and blocks
 FILLING and posts the READs, later commands (decode steps of other requests) run while the
 bytes land, and `transfer_poll` marks the slot READY only once every READ is DONE. A step
-on a FILLING slot or block raises (REFERENCE.md §5 bug 6), and nothing on the decode side
+on a FILLING slot or block raises (docs/bugs.md, bug 6), and nothing on the decode side
 ever starts a transferred slot from zeros (bug 4): only `prefill` does that.
 """
 
@@ -26,6 +27,7 @@ from transfer.cache.layout import Layout
 from transfer.dataplane import Op, RangeBatch, make_transport, wait
 from transfer.model.caches import ArenaCaches
 from transfer.model.runner import RankEngine
+from transfer.serving.commands import RankInfo, TransferState, TransferStatus
 from transfer.serving.spec import WARMUP_BYTES, WORKER_DTYPES, RankReads, RankSpec
 from transfer.serving.verify import save_snapshot, snapshot_request
 
@@ -37,8 +39,7 @@ class _Transfer:
     slot: int
     posted_at: float  # time.monotonic() on this rank
     handles: list[int] = field(default_factory=list)
-    result: str = ""  # "" while pending, then "done" or "failed: ..."
-    seconds: float = 0.0  # from posting to the first poll that saw every READ done
+    status: TransferStatus = TransferStatus(TransferState.PENDING)
 
 
 def build_rank_worker(spec: RankSpec, group) -> RankWorker:
@@ -78,9 +79,8 @@ class RankWorker:
 
     # -- handshake ------------------------------------------------------------------------
 
-    def info(self) -> tuple[bytes, bytes]:
-        """(transport metadata, layout as JSON bytes) of this rank."""
-        return self.metadata, json.dumps(self.layout.to_dict()).encode()
+    def info(self) -> RankInfo:
+        return RankInfo(self.metadata, json.dumps(self.layout.to_dict()).encode())
 
     def add_peers(self, instance: str, metadata: list[bytes], staging: list[int]) -> None:
         """Connect to every rank of prefill instance `instance` (again, after a restart):
@@ -118,7 +118,7 @@ class RankWorker:
         self,
         request_id: str,
         instance: str,
-        reads: list[RankReads],
+        reads: tuple[RankReads, ...],
         slot: int,
         block_ids: list[int],
         deadline_s: float,
@@ -133,20 +133,21 @@ class RankWorker:
         self.transfers[request_id] = transfer
         peers = self.peers[instance]
         try:
-            for p_rank, local, remote, nbytes in reads[self.spec.rank].batches:
-                batch = RangeBatch(local, remote, nbytes)
-                handle = self.transport.post(Op.READ, peers[p_rank], batch, deadline_s=deadline_s)
+            for reads_from in reads[self.spec.rank].batches:
+                batch = RangeBatch(reads_from.local, reads_from.remote, reads_from.nbytes)
+                peer = peers[reads_from.prefill_rank]
+                handle = self.transport.post(Op.READ, peer, batch, deadline_s=deadline_s)
                 transfer.handles.append(handle)
         except Exception:
             self.transfer_end(request_id)
             raise
 
-    def transfer_poll(self, request_id: str) -> tuple[str, float]:
-        """("pending" | "done" | "failed: <reason>", seconds from posting to done). Once done
-        the slot is READY. A finished transfer keeps its answer until `transfer_end`."""
+    def transfer_poll(self, request_id: str) -> TransferStatus:
+        """Once DONE the slot is READY. A finished transfer keeps its status until
+        `transfer_end`."""
         transfer = self._transfer(request_id)
         self._advance(transfer)
-        return transfer.result or "pending", transfer.seconds
+        return transfer.status
 
     def after_command(self) -> None:
         """Run by the command loop after every command: notice finished transfers early."""
@@ -154,18 +155,18 @@ class RankWorker:
             self._advance(transfer)
 
     def _advance(self, transfer: _Transfer) -> None:
-        if transfer.result:
+        if transfer.status.state is not TransferState.PENDING:
             return
         statuses = [self.transport.poll(handle) for handle in transfer.handles]
         reasons = [s.reason for s in statuses if s.failed]
         if reasons:
             # Handles stay: a failed READ may still land (NIXL cannot cancel one in flight).
-            transfer.result = "failed: " + "; ".join(reasons)
+            transfer.status = TransferStatus(TransferState.FAILED, reason="; ".join(reasons))
         elif not any(s.pending for s in statuses):
-            transfer.seconds = time.monotonic() - transfer.posted_at
+            seconds = time.monotonic() - transfer.posted_at
             self._drop_handles(transfer)
             self.engine.mark_ready(transfer.slot)
-            transfer.result = "done"
+            transfer.status = TransferStatus(TransferState.DONE, seconds)
 
     def transfer_end(self, request_id: str) -> bool:
         """Forget a transfer. True when none of its READs can still move bytes, so its slot

@@ -1,250 +1,198 @@
-"""TP rank processes of one instance, and the control process's handle on them.
+"""Rank processes of one group, and the control process's handle on them.
 
-The control process talks to rank 0 over a pipe. Rank 0 broadcasts every command to the
-group (gloo), every rank runs it on its own shard, and rank 0 gathers the per-rank results
-and sends them back. Ranks on other nodes (multi-node TP) therefore need no pipe: they
-follow rank 0's broadcasts. Commands run one at a time, in the same order on every rank,
-which is what the model's collectives require.
+The control process talks to rank 0 over a connection (`RankLink`); rank 0 broadcasts every
+command to the group, every rank runs it on its own shard, and rank 0 sends back the
+per-rank results (see `transfer.serving.rank_process`). Commands run one at a time, in the
+same order on every rank, which is what the model's collectives require.
 
-A rank that raises answers `RankFailure` for that command and keeps serving; a rank process
-that dies takes the group down (its peers fail in the next collective), and every later call
-raises `RankGroupDead`.
+A rank that raises answers a failure for that command and keeps serving; a rank process
+that dies takes the group down (its peers fail in the next collective), and every later
+call raises `RankGroupDead`. The same processes serve the workers (`pdxfer serve`) and the
+transfer benchmark, locally, inside a network namespace (`wrap`), or on another node (the
+benchmark's rank host hands rank 0 an authenticated socket).
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib
-import logging
-import multiprocessing as mp
 import os
+import pickle
 import signal
+import socket
+import subprocess
+import sys
 import threading
-import traceback
-from dataclasses import dataclass
-from typing import Any
+import time
+from collections.abc import Callable, Sequence
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any, TypeVar
 
-from transfer.control.errors import ControlError
+from transfer.net import free_port
+from transfer.serving.rank_protocol import (
+    RankCommand,
+    RankFailure,
+    RankGroupDead,
+    RankLaunch,
+    Stop,
+    command_error,
+)
 
-logger = logging.getLogger(__name__)
+R = TypeVar("R")
+ROOT = str(Path(__file__).resolve().parents[2])
+RANK_ARGV = (sys.executable, "-m", "transfer.serving.rank_process")
+STOP_TIMEOUT_S = 10.0
 
-STOP = "stop"
-# Ranks wait for commands inside a collective; an idle server must not time them out.
-GROUP_TIMEOUT_S = 7 * 24 * 3600.0
-
-
-class RankGroupDead(ControlError):
-    """The rank processes are gone; the instance cannot serve any more (UNAVAILABLE)."""
-
-    def __init__(self, details: str):
-        super().__init__("UNAVAILABLE", details)
-
-
-@dataclass(frozen=True)
-class RankFailure:
-    """What a rank answers when its command raised."""
-
-    rank: int
-    kind: str  # exception class name
-    message: str
-    bad_input: bool = False  # a ValueError: the caller's fault, not the rank's
+Wrap = Callable[[list[str]], list[str]]
 
 
-class RankCommandError(RuntimeError):
-    """A command failed on at least one rank; `failures` says where and why."""
-
-    def __init__(self, command: str, failures: list[RankFailure]):
-        first = failures[0]
-        super().__init__(f"{command} failed on rank {first.rank}: {first.kind}: {first.message}")
-        self.command = command
-        self.failures = failures
-
-    @property
-    def kind(self) -> str:
-        return self.failures[0].kind
+def rank_env() -> dict[str, str]:
+    """This environment, with the checkout on PYTHONPATH so a rank imports this code."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
+    return env
 
 
-class RankInputError(RankCommandError, ValueError):
-    """Every failing rank rejected its input (answers INVALID_ARGUMENT)."""
+class RankLink:
+    """The control side of the connection to rank 0: typed calls with timeouts."""
 
+    def __init__(self, conn: Connection, label: str = "ranks") -> None:
+        self.conn = conn
+        self.label = label
+        self.dead = ""
+        self._lock = threading.Lock()
 
-def die_with_parent() -> None:
-    """SIGTERM this process when its parent exits (Linux), so no rank outlives its server."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
-    except (OSError, AttributeError):
-        pass
-
-
-def _resolve(build: str):
-    module, _, name = build.partition(":")
-    return getattr(importlib.import_module(module), name)
-
-
-def rank_main(spec: Any, conn, build: str) -> None:
-    """Body of one rank process. `build` ("module:function") names `f(spec, group)`, which
-    returns an object whose methods are the commands; `conn` is the pipe to the control
-    process (rank 0 only, else None). Naming it keeps torch out of the control process."""
-    die_with_parent()
-    parent = mp.parent_process()
-    if parent is not None and os.getppid() != parent.pid:
-        return  # the control process died before we could ask to die with it
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the control process decides when to stop
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{spec.rank} %(message)s")
-    from transfer.model.distributed import init_tp_group
-
-    group = init_tp_group(
-        spec.rank,
-        spec.tp,
-        spec.dist_init if spec.tp > 1 else None,
-        device=spec.device,
-        timeout_s=GROUP_TIMEOUT_S,
-    )
-    try:
-        try:
-            worker = _resolve(build)(spec, group)
-            ready: Any = None
-        except Exception as exc:
-            worker = None
-            ready = RankFailure(
-                spec.rank, type(exc).__name__, _describe(exc), isinstance(exc, ValueError)
-            )
-        _serve_commands(spec.rank, group, conn, worker, ready)
-    finally:
-        group.close()
-
-
-def _serve_commands(rank: int, group, conn, worker, ready) -> None:
-    results = _gather(group, ready)
-    if conn is not None:
-        conn.send(results)
-    if any(isinstance(r, RankFailure) for r in results):
-        if worker is not None and hasattr(worker, "close"):
-            worker.close()
-        return  # every rank saw the failure: the group cannot serve
-    try:
-        while True:
-            command = conn.recv() if conn is not None else None
-            command = group.broadcast_object(command, src=0)
-            if command is None or command[0] == STOP:
-                break
-            name, args = command
+    def call(self, command: RankCommand[R], timeout_s: float = 300.0) -> list[R]:
+        """Run `command` on every rank; the per-rank results in rank order."""
+        name = type(command).__name__
+        with self._lock:
+            if self.dead:
+                raise RankGroupDead(self.dead)
             try:
-                result = getattr(worker, name)(*args)
-            except Exception as exc:
-                if not isinstance(exc, ValueError):
-                    logger.error("command %s failed:\n%s", name, traceback.format_exc())
-                result = RankFailure(
-                    rank, type(exc).__name__, _describe(exc), isinstance(exc, ValueError)
-                )
-            after = getattr(worker, "after_command", None)
-            if after is not None:
-                try:
-                    after()
-                except Exception:
-                    logger.error("after_command failed:\n%s", traceback.format_exc())
-            results = _gather(group, result)
-            if conn is not None:
-                conn.send(results)
-    except (EOFError, OSError, KeyboardInterrupt):
-        pass  # the control process is gone
-    finally:
-        close = getattr(worker, "close", None)
-        if close is not None:
-            close()
+                self.conn.send(command)
+            except (OSError, EOFError) as exc:
+                self.dead = f"{self.label}: rank 0 is gone ({exc})"
+                raise RankGroupDead(self.dead) from None
+            return self.receive(name, timeout_s)
 
+    def receive(self, what: str, timeout_s: float) -> list[Any]:
+        """The next per-rank results (the answer to `what`)."""
+        try:
+            if not self.conn.poll(timeout_s):
+                self.dead = f"{self.label}: no answer to {what} within {timeout_s:g}s"
+                raise RankGroupDead(self.dead)
+            results = self.conn.recv()
+        except (EOFError, OSError) as exc:
+            self.dead = f"{self.label}: rank processes died during {what} ({type(exc).__name__})"
+            raise RankGroupDead(self.dead) from None
+        failures = [r for r in results if isinstance(r, RankFailure)]
+        if failures:
+            raise command_error(what, failures)
+        return results
 
-def _describe(exc: BaseException) -> str:
-    return str(exc) or type(exc).__name__
-
-
-def _gather(group, value: Any) -> list[Any]:
-    if not (group.distributed and group.size > 1):
-        return [value]
-    import torch.distributed as dist
-
-    out: list[Any] = [None] * group.size
-    dist.all_gather_object(out, value, group=group.group)
-    return out
+    def stop(self, wait_s: float = 0.0) -> None:
+        """Ask the ranks to stop (no answer comes), wait up to `wait_s` for rank 0 to close
+        its end, and close the connection."""
+        with self._lock:
+            if not self.dead:
+                with contextlib.suppress(OSError, EOFError):
+                    self.conn.send(Stop())
+                    deadline = time.monotonic() + wait_s
+                    while self.conn.poll(max(0.0, deadline - time.monotonic())):
+                        self.conn.recv()  # EOFError once rank 0 has gone
+            self.dead = self.dead or f"{self.label}: closed"
+            self.conn.close()
 
 
 class RankGroup:
-    """Starts the local ranks of one instance and runs commands on all ranks of the group.
+    """Starts this node's ranks of one group and, when rank 0 is here, commands them.
 
-    `specs` are this node's ranks; the one with rank 0 (if here) gets the pipe. Only the node
-    holding rank 0 may call `call`.
+    `specs` (each with `.rank`, `.tp`, `.device`) are this node's ranks; `build` names the
+    function that makes a rank's worker ("module:function", so the control process need not
+    import it). `dist_init` is the group's rendezvous (default: a free local port when the
+    group has more than one rank). `rank0_socket` hands rank 0 a connection someone else
+    commands (then this object has no `link`); `wrap` wraps each rank's argv.
     """
 
-    def __init__(self, specs: list[Any], build: str, start_timeout_s: float = 300.0) -> None:
-        ctx = mp.get_context("spawn")
-        self._lock = threading.Lock()
-        self._conn = None
-        self._dead = ""
-        self.procs: list[mp.Process] = []
-        for spec in specs:
-            conn = None
-            if spec.rank == 0:
-                self._conn, conn = ctx.Pipe()
-            proc = ctx.Process(
-                target=rank_main, args=(spec, conn, build), name=f"pdxfer-rank{spec.rank}"
-            )
-            proc.start()
-            if conn is not None:
-                conn.close()  # the child holds its end; EOF on ours then means it died
-            self.procs.append(proc)
-        self.ready = self._receive("start", start_timeout_s) if self._conn else None
+    def __init__(
+        self,
+        specs: Sequence[Any],
+        build: str,
+        *,
+        dist_init: str | None = None,
+        rank0_socket: socket.socket | None = None,
+        wrap: Wrap | None = None,
+        label: str = "ranks",
+        start_timeout_s: float = 300.0,
+    ) -> None:
+        if dist_init is None and any(spec.tp > 1 for spec in specs):
+            dist_init = f"tcp://127.0.0.1:{free_port()}"
+        self.link: RankLink | None = None
+        self.procs: list[subprocess.Popen] = []
+        self.ready: list[Any] | None = None
+        try:
+            for spec in specs:
+                self._start(spec, build, dist_init, rank0_socket, wrap, label)
+            if self.link is not None:
+                self.ready = self.link.receive("start", start_timeout_s)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, spec, build, dist_init, rank0_socket, wrap, label) -> None:
+        theirs = None
+        if spec.rank == 0:
+            theirs = rank0_socket
+            if theirs is None:
+                ours, theirs = socket.socketpair()
+                self.link = RankLink(Connection(ours.detach()), label)
+        fds = (theirs.fileno(),) if theirs is not None else ()
+        argv = list(RANK_ARGV)
+        proc = subprocess.Popen(
+            wrap(argv) if wrap else argv, stdin=subprocess.PIPE, env=rank_env(), cwd=ROOT,
+            pass_fds=fds,
+        )  # fmt: skip
+        self.procs.append(proc)
+        launch = RankLaunch(spec, build, dist_init, os.getpid(), fds[0] if fds else None)
+        try:
+            pickle.dump(launch, proc.stdin, protocol=pickle.HIGHEST_PROTOCOL)
+            proc.stdin.close()
+        except OSError:
+            pass  # it died at once; the start answer (or `alive`) says so
+        finally:
+            if theirs is not None:
+                theirs.close()  # the child holds it; EOF on ours then means it died
 
     @property
     def alive(self) -> bool:
-        return not self._dead and all(p.is_alive() for p in self.procs)
+        dead = self.link is not None and bool(self.link.dead)
+        return not dead and all(p.poll() is None for p in self.procs)
 
-    def call(self, name: str, *args: Any, timeout_s: float = 300.0) -> list[Any]:
-        """Run `name(*args)` on every rank; the per-rank results in rank order."""
-        if self._conn is None:
-            raise RuntimeError("call: only the node holding rank 0 commands the group")
-        with self._lock:
-            if self._dead:
-                raise RankGroupDead(self._dead)
+    def call(self, command: RankCommand[R], timeout_s: float = 300.0) -> list[R]:
+        """Run `command` on every rank of the group; the per-rank results in rank order."""
+        if self.link is None:
+            raise RankGroupDead("only the node holding rank 0 commands the group")
+        return self.link.call(command, timeout_s)
+
+    def join(self, timeout_s: float | None = None) -> bool:
+        """Wait for every rank process to exit; whether they all did."""
+        for proc in self.procs:
             try:
-                self._conn.send((name, args))
-            except (OSError, EOFError) as exc:
-                self._dead = f"rank 0 is gone ({exc})"
-                raise RankGroupDead(self._dead) from None
-            return self._receive(name, timeout_s)
+                proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                return False
+        return True
 
-    def _receive(self, name: str, timeout_s: float) -> list[Any]:
-        try:
-            if not self._conn.poll(timeout_s):
-                self._dead = f"ranks did not answer {name} within {timeout_s:g}s"
-                raise RankGroupDead(self._dead)
-            results = self._conn.recv()
-        except (EOFError, OSError) as exc:
-            self._dead = f"rank processes died during {name} ({type(exc).__name__})"
-            raise RankGroupDead(self._dead) from None
-        failures = [r for r in results if isinstance(r, RankFailure)]
-        if failures:
-            if all(f.bad_input for f in failures):
-                raise RankInputError(name, failures)
-            raise RankCommandError(name, failures)
-        return results
-
-    def close(self, timeout_s: float = 10.0) -> None:
+    def close(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
         """Stop the ranks (politely, then SIGTERM, then SIGKILL)."""
-        with self._lock:
-            if self._conn is not None and not self._dead:
-                with contextlib.suppress(OSError, EOFError):
-                    self._conn.send((STOP, ()))
-            self._dead = self._dead or "closed"
+        if self.link is not None:
+            self.link.stop()
+        self.join(timeout_s)
         for proc in self.procs:
-            proc.join(timeout_s)
-        for proc in self.procs:
-            if proc.is_alive():
-                proc.terminate()
-                proc.join(3.0)
-            if proc.is_alive() and proc.pid is not None:
-                os.kill(proc.pid, signal.SIGKILL)
-                proc.join(3.0)
-        if self._conn is not None:
-            self._conn.close()
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                if proc.poll() is not None:
+                    break
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(sig)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(3.0)

@@ -23,7 +23,8 @@ from transfer.control.auth import TlsConfig, load_token
 from transfer.control.client import ClientOptions
 from transfer.control.metrics import WorkerMetrics, serve_metrics
 from transfer.control.server import serve as serve_control
-from transfer.serving.procs import free_port, ready_line
+from transfer.net import free_port
+from transfer.serving.procs import ready_line
 from transfer.serving.router import Router, RouterMetrics, join_address
 from transfer.units import parse_size
 
@@ -178,7 +179,7 @@ def _serve_worker(args, token, server_tls, client_tls, stop: threading.Event) ->
     from transfer.serving.decode import DecodeWorker
     from transfer.serving.instance import Instance
     from transfer.serving.prefill import PrefillWorker
-    from transfer.serving.ranks import RankCommandError
+    from transfer.serving.rank_protocol import RankCommandError
 
     config = instance_config(args)
     try:

@@ -31,7 +31,6 @@ class RankSpec:
     device: str = "cpu"
     local_rank: int = 0
     seed: int = 0
-    dist_init: str | None = None
     dump_dir: str | None = None
     env: tuple[tuple[str, str], ...] = ()  # set before the transport starts (UCX_NET_DEVICES)
 
@@ -40,15 +39,26 @@ class RankSpec:
         return f"{self.instance_id}/{self.role}/rank{self.rank}"
 
 
+@dataclass(frozen=True, eq=False)
+class ReadBatch:
+    """READs from one prefill rank, as int64 columns: `local` offsets in this rank's arena,
+    `remote` offsets in the prefill rank's arena, and `nbytes` per READ."""
+
+    prefill_rank: int
+    local: np.ndarray
+    remote: np.ndarray
+    nbytes: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.nbytes)
+
+
 @dataclass(frozen=True)
 class RankReads:
-    """One decode rank's share of a transfer: READs from each prefill rank, as int64 columns
-    (local = this rank's arena, remote = the prefill rank's arena)."""
+    """One decode rank's share of a transfer: its READs from each prefill rank."""
 
-    batches: tuple[
-        tuple[int, np.ndarray, np.ndarray, np.ndarray], ...
-    ]  # p_rank, local, remote, nbytes
+    batches: tuple[ReadBatch, ...]
 
     @property
     def descriptors(self) -> int:
-        return sum(len(b[3]) for b in self.batches)
+        return sum(len(b) for b in self.batches)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from transfer.errors import InvalidInput
 from transfer.geometry import CacheTensor, LayerSpec, ModelGeometry, Role
 from transfer.memplan import StatePlacement
 
@@ -55,7 +56,7 @@ class LayoutOptions:
                 object.__setattr__(self, field, enum_type(value))
             except ValueError:
                 choices = ", ".join(e.value for e in enum_type)
-                raise ValueError(f"options.{field}: {value!r} is not one of {choices}") from None
+                raise InvalidInput(f"options.{field}: {value!r} is not one of {choices}") from None
 
 
 @dataclass(frozen=True)

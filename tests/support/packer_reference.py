@@ -1,4 +1,4 @@
-"""A reference for checking transfers byte for byte (tests, transport checks).
+"""A reference for checking transfers byte for byte, independently of the packer.
 
 `GlobalCache` is one request's whole cache as a TP=1 run would hold it, in raw element
 bits. `shard` cuts it the way a TP run holds it, using only the geometry's shard

@@ -110,6 +110,15 @@ def chunk_span(cu_seqlens, chunk_indices, i_t, BT: tl.constexpr):
 
 
 @triton.jit
+def chunk_rows(cu_seqlens, chunk_indices, i_t, BT: tl.constexpr):
+    """Row offsets 0..BT-1 of global chunk i_t, its token rows, and which rows hold tokens."""
+    start, eos = chunk_span(cu_seqlens, chunk_indices, i_t, BT)
+    o_t = tl.arange(0, BT)
+    rows = start + o_t
+    return o_t, rows, rows < eos
+
+
+@triton.jit
 def l2norm_kernel(
     x, y, n_rows, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr, EPS: tl.constexpr
 ):
@@ -245,10 +254,7 @@ def wy_kernel(
     """w = Ai (beta * exp(G) * k), u = Ai (beta * v) for one chunk and value head."""
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     i_kh = i_h // (HV // H)
-    start, eos = chunk_span(cu_seqlens, chunk_indices, i_t, BT)
-    o_t = tl.arange(0, BT)
-    rows = start + o_t
-    m_t = rows < eos
+    o_t, rows, m_t = chunk_rows(cu_seqlens, chunk_indices, i_t, BT)
     lower = m_t[:, None] & (o_t[None, :] <= o_t[:, None])
     b_Ai = tl.load(Ai + (rows[:, None] * HV + i_h) * BT + o_t[None, :], mask=lower, other=0.0)
     b_beta = tl.load(beta + rows * HV + i_h, mask=m_t, other=0.0).to(tl.float32)

@@ -1,22 +1,11 @@
-"""`pdxfer bench transfer`: one request's cache moved from prefill to decode rank processes.
-
-Prefill and decode ranks are separate processes, each with one arena laid out from the
-real model geometry (layers scaled down when the arenas would not fit), blocks and slots
-allocated from fragmented pools. Per token count it times ours (the packer's plan), raw
-(the same bytes per rank pair as one contiguous range: the ceiling) and naive (one
-descriptor per layer, block and K/V region, as vLLM's NixlConnector posts), after checking
-that each moved the right bytes. `--json` is a public interface (key `results`).
-"""
+"""`pdxfer bench transfer`: flags -> `TransferBenchConfig`, then the report's outputs
+(the benchmark itself is `transfer.bench.transfer_bench`)."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
 import sys
-import threading
-import time
 
 from transfer.units import parse_size
 
@@ -28,7 +17,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "transfer",
         help="one request's KV + state transfer: ours vs raw vs naive",
-        description=__doc__,
+        description=_description(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
@@ -152,28 +141,6 @@ def parse_pairs(args: argparse.Namespace) -> tuple[tuple[int, int], ...]:
     return tuple(pairs)
 
 
-def _check(args: argparse.Namespace, geometry, pairs) -> None:
-    for field, value, low in (
-        ("--repeats", args.repeats, 1),
-        ("--block-size", args.block_size, 1),
-        ("--hole-blocks", args.hole_blocks, 1),
-        ("--control-tickets", args.control_tickets, 0),
-        ("--control-concurrency", args.control_concurrency, 1),
-    ):
-        if value < low:
-            raise ValueError(f"{field}: must be >= {low}, got {value}")
-    if not args.deadline > 0:
-        raise ValueError(f"--deadline: must be positive, got {args.deadline}")
-    for p, d in pairs:
-        for field, tp in (("--prefill-tp", p), ("--decode-tp", d)):
-            if tp < 1:
-                raise ValueError(f"{field}: must be >= 1, got {tp}")
-            try:
-                geometry.check_tp(tp)
-            except ValueError as exc:
-                raise ValueError(f"{field} {tp}: {geometry.name}: {exc}") from None
-
-
 def _two_node(args: argparse.Namespace):
     """The RemotePeer of two-node mode (token b"" with --insecure-peer and none), or None."""
     if (args.node_rank is None) != (args.peer is None):
@@ -196,55 +163,43 @@ def _two_node(args: argparse.Namespace):
     return RemotePeer(host, port, token or b"")
 
 
-def _log(message: str) -> None:
-    print(f"[bench transfer {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+def _description() -> str:
+    from transfer.bench import transfer_bench
+
+    return transfer_bench.__doc__ + "\n`--json` prints that report."
 
 
-def _machine() -> dict:
-    import platform
+def config_from(args: argparse.Namespace, peer=None):
+    """The typed config of these flags (`peer`: node 0, in two-node mode)."""
+    from transfer.bench.transfer_bench import TransferBenchConfig
+    from transfer.presets import get_preset
 
-    import torch
-
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return {
-        "cpus": os.cpu_count(),
-        "memory_gib": round(memory / 2**30, 1),
-        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        "platform": platform.platform(),
-    }
-
-
-def _control(tickets: int, concurrency: int) -> dict:
-    from transfer.bench.control import measure
-
-    result = measure(tickets, concurrency)
-    serial, loaded = result["serial"], result["loaded"]
-    return {
-        "definition": result["definition"],
-        "tickets": tickets,
-        "concurrency": concurrency,
-        "p50_ms": serial["p50_ms"],
-        "p99_ms": serial["p99_ms"],
-        "loaded_p50_ms": loaded["p50_ms"],
-        "loaded_p99_ms": loaded["p99_ms"],
-        "tickets_per_s": loaded["tickets_per_s"],
-    }
+    return TransferBenchConfig(
+        geometry=get_preset(args.model),
+        pairs=parse_pairs(args),
+        tokens=parse_tokens(args.tokens),
+        transport=args.transport,
+        nodes=args.nodes,
+        peer=peer,
+        repeats=args.repeats,
+        block_size=args.block_size,
+        max_arena_bytes=parse_size(args.max_arena_bytes, "--max-arena-bytes"),
+        tls=args.tls,
+        deadline_s=args.deadline,
+        control_tickets=args.control_tickets,
+        control_concurrency=args.control_concurrency,
+        hole_blocks=args.hole_blocks,
+        seed=args.seed,
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    from transfer.presets import get_preset
+    from transfer.bench.transfer_bench import measure, serve_ranks, with_sigterm_as_interrupt
 
-    geometry = get_preset(args.model)
-    tokens, pairs = parse_tokens(args.tokens), parse_pairs(args)
-    max_arena = parse_size(args.max_arena_bytes, "--max-arena-bytes")
-    _check(args, geometry, pairs)
     peer = _two_node(args)
+    config = config_from(args, peer)
     if args.node_rank == 0:
-        from transfer.bench.transfer_host import RankHost
-
-        host = RankHost(peer.port, peer.token or None, _log)
-        _with_sigterm_as_interrupt(host.serve)
-        return 0
+        return serve_ranks(peer.port, peer.token or None)
     if args.nodes == "netns":
         from transfer.bench.netns import check_can_create
 
@@ -253,19 +208,17 @@ def run(args: argparse.Namespace) -> int:
         except RuntimeError as exc:
             print(f"pdxfer bench transfer: error: {exc}", file=sys.stderr)
             return 2
-    report = _with_sigterm_as_interrupt(
-        lambda: measure(args, geometry, tokens, pairs, max_arena, peer)
-    )
+    report = with_sigterm_as_interrupt(lambda: measure(config))
     if args.csv:
         from transfer.bench.transfer_report import write_csv
 
         write_csv(report, args.csv)
-        _log(f"wrote {args.csv}")
+        print(f"wrote {args.csv}", file=sys.stderr)
     if args.plot:
         from transfer.bench.transfer_report import plot
 
         plot(report, args.plot)
-        _log(f"wrote {args.plot}")
+        print(f"wrote {args.plot}", file=sys.stderr)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -273,74 +226,3 @@ def run(args: argparse.Namespace) -> int:
 
         print(format_table(report))
     return 0
-
-
-def _with_sigterm_as_interrupt(work):
-    """SIGTERM unwinds like Ctrl-C, so rank processes and namespaces are always removed."""
-    if threading.current_thread() is not threading.main_thread():
-        return work()
-
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        return work()
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def measure(args: argparse.Namespace, geometry, tokens, pairs, max_arena: int, peer=None) -> dict:
-    from transfer.bench.transfer_driver import Settings, placement, run_pair
-    from transfer.bench.transfer_setup import fit_geometry
-
-    scaled = fit_geometry(geometry, pairs, args.block_size, max(tokens), max_arena)
-    if len(scaled.layers) < len(geometry.layers):
-        _log(
-            f"scaled {geometry.name} from {len(geometry.layers)} to {len(scaled.layers)} layers "
-            f"to fit --max-arena-bytes {args.max_arena_bytes} at {max(tokens)} tokens"
-        )
-    nodes = "two-node" if peer is not None else args.nodes
-    settings = Settings(
-        args.transport,
-        nodes,
-        tokens,
-        args.repeats,
-        args.block_size,
-        args.tls,
-        args.deadline,
-        args.seed,
-        args.hole_blocks,
-    )
-    results, arenas = [], {}
-    with placement(nodes, peer) as where:
-        for p, d in pairs:
-            pair_results, arena_bytes = run_pair(scaled, p, d, settings, where, _log)
-            results += pair_results
-            arenas[f"{p}:{d}"] = arena_bytes
-    report = {
-        "model": geometry.name,
-        "layers": len(scaled.layers),
-        "model_layers": len(geometry.layers),
-        "transport": args.transport,
-        "nodes": nodes,
-        "tls": args.tls or ("tcp" if args.nodes == "netns" else "ucx default"),
-        "block_size": args.block_size,
-        "hole_blocks": args.hole_blocks,
-        "repeats": args.repeats,
-        "arena_bytes": arenas,
-        "definitions": {
-            "time": "one request: slowest prefill gather (if staged) + slowest decode post..DONE..scatter",
-            "gbps": "bytes / median time, 1 GB = 1e9 B",
-            "raw": "the same bytes per (decode rank, prefill rank) pair as one contiguous range",
-            "naive": "one descriptor per (layer, block, K/V region) and per (layer, state tensor, slot), vLLM-like layout",
-            "efficiency": "gbps / raw_gbps",
-            "speedup": "gbps / naive_gbps",
-        },
-        "results": results,
-        "machine": _machine(),
-    }
-    if args.control_tickets:
-        _log(f"control plane: {args.control_tickets} ticket round trips")
-        report["control"] = _control(args.control_tickets, args.control_concurrency)
-    return report

@@ -1,0 +1,138 @@
+"""Torch fp32 references for the gated delta rule, shared by GDN and KDA.
+
+Per value head, with state S [K, V] and log-decay g_t, one value per key channel (KDA) or one
+scalar broadcast over the channels (GDN):
+    S <- diag(exp(g_t)) S;  S <- S + k_t (beta_t (v_t - S^T k_t))^T;  o_t = S^T (scale q_t).
+
+The chunked form differs between the kinds only in its intra-chunk matrices, so it takes an
+`intra(q, k, G) -> (A_kk, A_qk)` function (see `naive_chunk_delta_rule`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from itertools import pairwise
+
+import torch
+
+from .args import L2NORM_EPS
+
+Intra = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def l2norm(x: torch.Tensor) -> torch.Tensor:
+    return x / torch.sqrt((x * x).sum(-1, keepdim=True) + L2NORM_EPS)
+
+
+def prepare_inputs(q, k, v, g, beta, scale, use_qk_l2norm):
+    """fp32 copies: q, k repeated to the value heads, q scaled, g [B,T,HV,K] or [B,T,HV,1]."""
+    q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
+    if use_qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
+    group = v.shape[2] // q.shape[2]
+    q, k = q.repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    g = g if g.ndim == 4 else g[..., None]
+    return q * scale, k, v, g, beta
+
+
+def spans(batch: int, seqlen: int, cu_seqlens: torch.Tensor | None) -> list[tuple[int, int, int]]:
+    """(batch row, first token, end token) of every sequence."""
+    if cu_seqlens is None:
+        return [(b, 0, seqlen) for b in range(batch)]
+    return [(0, bos, eos) for bos, eos in pairwise(cu_seqlens.tolist())]
+
+
+def start_state(initial_state, n, heads, K, V, device) -> torch.Tensor:
+    if initial_state is None:
+        return torch.zeros(heads, K, V, dtype=torch.float32, device=device)
+    return initial_state[n].float().clone()
+
+
+def per_sequence(run_one, q, k, v, g, beta, scale, initial_state, output_final_state,
+                 use_qk_l2norm, cu_seqlens):  # fmt: skip
+    """Run `run_one(q, k, v, g, beta, S) -> (o, S)` over each sequence of the batch (or of
+    `cu_seqlens`), on prepared inputs, threading initial and final states."""
+    dtype = v.dtype
+    q, k, v, g, beta = prepare_inputs(q, k, v, g, beta, scale, use_qk_l2norm)
+    B, T, HV, V = v.shape
+    o = torch.zeros_like(v)
+    finals = []
+    for n, (b, bos, eos) in enumerate(spans(B, T, cu_seqlens)):
+        S = start_state(initial_state, n, HV, k.shape[-1], V, v.device)
+        if eos > bos:
+            o[b, bos:eos], S = run_one(*(t[b, bos:eos] for t in (q, k, v, g, beta)), S)
+        finals.append(S)
+    return o.to(dtype), torch.stack(finals) if output_final_state else None
+
+
+def _recurrent_one(q, k, v, g, beta, S):
+    """One sequence token by token: q, k [L,HV,K], v [L,HV,V], g [L,HV,K|1], beta [L,HV]."""
+    o = torch.empty_like(v)
+    for t in range(q.shape[0]):
+        S = S * g[t].exp()[:, :, None]
+        predicted = torch.einsum("hkv,hk->hv", S, k[t])
+        delta = beta[t][:, None] * (v[t] - predicted)
+        S = S + torch.einsum("hk,hv->hkv", k[t], delta)
+        o[t] = torch.einsum("hkv,hk->hv", S, q[t])
+    return o, S
+
+
+def naive_recurrent_delta_rule(
+    q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+    use_qk_l2norm=False, cu_seqlens=None,
+):  # fmt: skip
+    """Token-by-token delta rule; g [B,T,HV] (GDN) or [B,T,HV,K] (KDA). Shapes as recurrent_gdn."""
+    return per_sequence(_recurrent_one, q, k, v, g, beta, scale, initial_state,
+                        output_final_state, use_qk_l2norm, cu_seqlens)  # fmt: skip
+
+
+def split_chunks(x: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """[L, HV, ...] -> [HV, NC, C, ...], zero-padded to whole chunks."""
+    pad = (-x.shape[0]) % chunk_size
+    x = torch.cat([x, x.new_zeros(pad, *x.shape[1:])]) if pad else x
+    x = x.reshape(-1, chunk_size, *x.shape[1:])
+    return x.movedim(2, 0)
+
+
+def causal_mask(chunk_size: int, device) -> torch.Tensor:
+    """[C, C] bool, True where j <= i."""
+    idx = torch.arange(chunk_size, device=device)
+    return idx[:, None] >= idx[None, :]
+
+
+def _chunk_one(intra: Intra, q, k, v, g, beta, S, chunk_size: int):
+    """One sequence, chunk by chunk (WY/UT form inside a chunk, state recurrence across)."""
+    L = q.shape[0]
+    q, k, v, g, beta = (split_chunks(t, chunk_size) for t in (q, k, v, g, beta))
+    G = g.cumsum(-2)
+    eye = torch.eye(chunk_size, device=q.device)
+    o = torch.empty_like(v)
+    for c in range(q.shape[1]):
+        qc, kc, vc, Gc, bc = q[:, c], k[:, c], v[:, c], G[:, c], beta[:, c, :, None]
+        A_kk, A_qk = intra(qc, kc, Gc)
+        T_inv = torch.linalg.solve_triangular(eye + (bc * A_kk).tril(-1), eye, upper=False)
+        w = T_inv @ (bc * Gc.exp() * kc)
+        u = T_inv @ (bc * vc)
+        v_new = u - w @ S
+        o[:, c] = (qc * Gc.exp()) @ S + A_qk @ v_new
+        g_last = Gc[:, -1:]
+        k_decayed = kc * (g_last - Gc).exp()
+        S = S * g_last.transpose(-1, -2).exp() + k_decayed.transpose(-1, -2) @ v_new
+    heads, V = o.shape[0], o.shape[-1]
+    return o.movedim(0, 2).reshape(-1, heads, V)[:L], S
+
+
+def naive_chunk_delta_rule(
+    intra: Intra, q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+    use_qk_l2norm=False, chunk_size=64, cu_seqlens=None,
+):  # fmt: skip
+    """Chunked delta rule. intra(q, k, G) gets one chunk's q, k [HV,C,K] and cumulative log-decay
+    G [HV,C,K|1] and returns A_kk and A_qk [HV,C,C], sum_c x_ic k_jc exp(G_ic - G_jc) for
+    j <= i (x = k, then q), zero above the diagonal. Other shapes as chunk_gdn."""
+
+    def run_one(q, k, v, g, beta, S):
+        return _chunk_one(intra, q, k, v, g, beta, S, chunk_size)
+
+    return per_sequence(run_one, q, k, v, g, beta, scale, initial_state, output_final_state,
+                        use_qk_l2norm, cu_seqlens)  # fmt: skip

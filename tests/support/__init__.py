@@ -1,0 +1,1 @@
+"""Code shared by several test modules (import it as `tests.support.<module>`)."""

@@ -1,0 +1,18 @@
+"""Running `pdxfer launch` as a child process, and checking that none of its processes survive."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from transfer.serving.procs import LAUNCH_ID_ENV, processes_with_env
+
+ROOT = Path(__file__).resolve().parents[2]
+MAIN = "import sys; from transfer.cli import main; sys.exit(main())"
+
+
+def assert_no_leftovers(launch_id: str, wait_s: float = 10.0) -> None:
+    deadline = time.monotonic() + wait_s
+    while (left := processes_with_env(LAUNCH_ID_ENV, launch_id)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, f"processes of the launch run survived it: {left}"

@@ -1,0 +1,42 @@
+"""What one `pdxfer launch` run was asked to do, checked once, as the flags gave it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from transfer.errors import InvalidInput
+
+_AT_LEAST_ONE = ("prefill_tp", "decode_tp", "requests", "prompt_len", "max_tokens", "block_size")
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """One launch run. `model` is a preset name, or None when `hf_config` names a config.json;
+    `timeout` bounds startup and, separately, the requests (seconds)."""
+
+    model: str | None
+    hf_config: str | None
+    prefill_tp: int = 1
+    decode_tp: int = 1
+    transport: str = "nixl"
+    requests: int = 4
+    prompt_len: int = 64
+    max_tokens: int = 16
+    verify: bool = False
+    json: bool = False
+    seed: int = 0
+    gpu_mem: str = "64MiB"
+    block_size: int = 16
+    device: str = "cpu"
+    timeout: float = 300.0
+    keep_logs: bool = False
+
+    def __post_init__(self) -> None:
+        for name in _AT_LEAST_ONE:
+            if getattr(self, name) < 1:
+                flag = name.replace("_", "-")
+                raise InvalidInput(f"--{flag} must be >= 1, got {getattr(self, name)}")
+        if self.timeout <= 0:
+            raise InvalidInput(f"--timeout must be > 0, got {self.timeout}")
+        if self.model is None and self.hf_config is None:
+            raise InvalidInput("--model or --hf-config: give one")

@@ -1,0 +1,70 @@
+"""The causal-LM shell shared by the checkpoint-built Kimi-Linear and Nemotron-H: embedding,
+pre-norm residual sublayers with one all-reduce each, final norm, LM head (all RMSNorms with a
+plain weight)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from transfer.geometry import ModelGeometry
+from transfer.model.distributed import TPGroup
+from transfer.model.layers.common import Step
+from transfer.model.layers.norms import rms_normalize
+
+
+class Residual:
+    """x + all_reduce(fn(rms_norm(x))): fn returns the rank's partial output (row-parallel).
+    A `stateless` fn (an MLP) is called without the step."""
+
+    def __init__(
+        self, norm: torch.Tensor, eps: float, fn: Callable, tp: TPGroup, *, stateless: bool = False
+    ) -> None:
+        self.norm, self.eps, self.fn, self.tp = norm, eps, fn, tp
+        self.stateless = stateless
+
+    def __call__(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+        h = rms_normalize(x, self.eps) * self.norm
+        return x + self.tp.all_reduce_(self.fn(h) if self.stateless else self.fn(h, step))
+
+
+class CausalLM:
+    """One TP rank of a checkpoint-built model; `forward` is `HybridModel.forward`'s interface.
+
+    The embedding and LM head are replicated; every sublayer is column-parallel in and
+    row-parallel out, so each rank holds the full hidden state between sublayers.
+    """
+
+    seed = None  # weights come from a checkpoint, not from a seed
+
+    def __init__(
+        self,
+        geometry: ModelGeometry,
+        tp: TPGroup,
+        device: torch.device | str,
+        *,
+        embed: torch.Tensor,
+        sublayers: Sequence[Residual],
+        norm: torch.Tensor,
+        eps: float,
+        lm_head: torch.Tensor,
+    ) -> None:
+        self.geometry = geometry
+        self.tp = tp
+        self.device = torch.device(device)
+        self.embed = embed
+        self.sublayers = list(sublayers)
+        self.norm, self.eps = norm, eps
+        self.lm_head = lm_head
+
+    @torch.inference_mode()
+    def forward(self, token_ids: torch.Tensor, step: Step, all_logits: bool = False):
+        """token_ids [T] -> fp32 logits [vocab] of the last token ([T, vocab] if all_logits)."""
+        x = self.embed[token_ids]
+        for sublayer in self.sublayers:
+            x = sublayer(x, step)
+        if not all_logits:
+            x = x[-1:]
+        logits = (rms_normalize(x, self.eps) * self.norm) @ self.lm_head.T
+        return logits if all_logits else logits[0]

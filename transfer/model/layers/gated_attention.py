@@ -1,0 +1,81 @@
+"""Qwen3-Next / Qwen3.5 full attention over the paged KV cache ("k", "v").
+
+`q_proj` yields [query | gate] per head; q and k get per-head RMSNorm x̂·(1+w), then partial
+RoPE; the output is attn·sigmoid(gate). Query heads split over the ranks; KV heads too, or
+are replicated when there are fewer KV heads than ranks (`Segment.units_on_rank`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from transfer.geometry import LayerSpec, Segment
+from transfer.model.layers.common import Step, attend, paged_read, paged_write
+from transfer.model.layers.norms import offset_rms_norm
+from transfer.model.layers.rope import PartialRope
+from transfer.model.rank_weights import RankWeights
+
+
+class GatedAttention:
+    def __init__(
+        self,
+        layer: LayerSpec,
+        w: RankWeights,
+        prefix: str,
+        hidden: int,
+        *,
+        rope: PartialRope,
+        eps: float,
+        bias: bool = False,
+    ) -> None:
+        s = layer.spec
+        self.index = layer.index
+        self.head_dim, self.eps, self.rope = s.head_dim, eps, rope
+        (kv_seg,) = next(t for t in layer.cache_tensors() if t.name == "k").segments
+        q_gate = (Segment("q_heads", s.num_q_heads, 2 * s.head_dim),)
+        q_heads = (Segment("q_heads", s.num_q_heads, s.head_dim),)
+        q_rows, kv_rows = s.num_q_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        qg = w.rows(prefix + "q_proj.weight", q_gate, (2 * q_rows, hidden))
+        qg = qg.view(-1, 2, s.head_dim, hidden)
+        self.q_proj = qg[:, 0].reshape(-1, hidden)
+        self.gate_proj = qg[:, 1].reshape(-1, hidden)
+        self.k_proj = w.rows(prefix + "k_proj.weight", (kv_seg,), (kv_rows, hidden))
+        self.v_proj = w.rows(prefix + "v_proj.weight", (kv_seg,), (kv_rows, hidden))
+        self.o_proj = w.cols(prefix + "o_proj.weight", q_heads, (hidden, q_rows))
+        self.q_norm = w.full(prefix + "q_norm.weight", (s.head_dim,))
+        self.k_norm = w.full(prefix + "k_norm.weight", (s.head_dim,))
+        self.biases = None
+        if bias:
+            qg_bias = w.rows(prefix + "q_proj.bias", q_gate, (2 * q_rows,)).view(-1, 2, s.head_dim)
+            o_bias = w.full(prefix + "o_proj.bias", (hidden,))
+            self.biases = (
+                qg_bias[:, 0].reshape(-1),
+                qg_bias[:, 1].reshape(-1),
+                w.rows(prefix + "k_proj.bias", (kv_seg,), (kv_rows,)),
+                w.rows(prefix + "v_proj.bias", (kv_seg,), (kv_rows,)),
+                o_bias if w.rank == 0 else torch.zeros_like(o_bias),  # added once by the sum
+            )
+
+    def __call__(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+        """x [T, hidden] -> partial output [T, hidden]; writes the T tokens' K/V."""
+        T, D = x.shape[0], self.head_dim
+        q, gate, k, v = (x @ p.T for p in (self.q_proj, self.gate_proj, self.k_proj, self.v_proj))
+        if self.biases is not None:
+            q, gate, k, v = (t + b for t, b in zip((q, gate, k, v), self.biases, strict=False))
+        q = self.rope(offset_rms_norm(q.view(T, -1, D), self.q_norm, self.eps), step.positions)
+        k = self.rope(offset_rms_norm(k.view(T, -1, D), self.k_norm, self.eps), step.positions)
+        v = v.view(T, -1, D)
+        keys, values, key_pos = k, v, step.positions
+        if step.caches is not None:
+            k_cache = step.caches.kv(self.index, "k")
+            v_cache = step.caches.kv(self.index, "v")
+            paged_write(k_cache, step.block_ids, step.positions, k)
+            paged_write(v_cache, step.block_ids, step.positions, v)
+            if not step.prefill:
+                length = int(step.positions[-1]) + 1
+                keys = paged_read(k_cache, step.block_ids, length)
+                values = paged_read(v_cache, step.block_ids, length)
+                key_pos = torch.arange(length, device=x.device)
+        o = attend(q, keys, values, step.positions, key_pos, D**-0.5)
+        out = (o.reshape(T, -1) * torch.sigmoid(gate)) @ self.o_proj.T
+        return out if self.biases is None else out + self.biases[4]

@@ -1,0 +1,73 @@
+"""Kimi-Linear's multi-head latent attention, without RoPE (NoPE), sharded by query head.
+
+Each token caches [kv latent after kv_a_layernorm (kv_lora_rank) | k_rot (qk_rope_head_dim)]
+in "kv", the same bytes on every rank. Kimi-Linear applies no rotary embedding: k_rot is a
+key part shared by all heads, used as it is (docs/reference.md §7).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from transfer.geometry import MLASpec, Segment
+from transfer.model.layers.common import Step, attend, paged_read, paged_write
+from transfer.model.layers.norms import rms_normalize
+from transfer.model.rank_weights import RankWeights
+
+# Kimi-Linear builds kv_a_layernorm and q_a_layernorm with the RMSNorm default eps,
+# not the config's rms_norm_eps.
+LATENT_NORM_EPS = 1e-6
+
+
+class KimiMLA:
+    """q (q_proj, or q_a_proj -> q_a_layernorm -> q_b_proj), the latent from kv_a_proj_with_mqa,
+    the rank's heads of kv_b_proj, softmax attention, o_proj (row-parallel, caller reduces)."""
+
+    def __init__(self, index: int, spec: MLASpec, prefix: str, w: RankWeights, hidden: int):
+        self.index = index
+        self.latent_dim, self.rope_dim = spec.kv_lora_rank, spec.qk_rope_head_dim
+        self.nope_dim, self.v_dim = spec.qk_nope_head_dim, spec.v_head_dim
+        H, qk_dim, latent = spec.num_q_heads, self.nope_dim + self.rope_dim, self.latent_dim
+        q_heads = (Segment("q_heads", H, qk_dim),)
+        if w.has(prefix + "q_a_proj.weight"):
+            q_rank = w.checkpoint.shape(prefix + "q_a_proj.weight")[0]
+            self.q_a = w.full(prefix + "q_a_proj.weight", (q_rank, hidden))
+            self.q_a_norm = w.full(prefix + "q_a_layernorm.weight", (q_rank,))
+            self.q_proj = w.rows(prefix + "q_b_proj.weight", q_heads, (H * qk_dim, q_rank))
+        else:
+            self.q_a = self.q_a_norm = None
+            self.q_proj = w.rows(prefix + "q_proj.weight", q_heads, (H * qk_dim, hidden))
+        self.kv_a = w.full(prefix + "kv_a_proj_with_mqa.weight", (latent + self.rope_dim, hidden))
+        self.kv_a_norm = w.full(prefix + "kv_a_layernorm.weight", (latent,))
+        kv_dim = self.nope_dim + self.v_dim
+        kv_heads = (Segment("q_heads", H, kv_dim),)
+        self.kv_b = w.rows(prefix + "kv_b_proj.weight", kv_heads, (H * kv_dim, latent))
+        o_heads = (Segment("q_heads", H, self.v_dim),)
+        self.o_proj = w.cols(prefix + "o_proj.weight", o_heads, (hidden, H * self.v_dim))
+        self.scale = qk_dim**-0.5
+
+    def __call__(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+        """x [T, hidden] -> this rank's partial output [T, hidden]; caches the T latents."""
+        T = x.shape[0]
+        latent, k_rot = (x @ self.kv_a.T).split([self.latent_dim, self.rope_dim], dim=-1)
+        latent = rms_normalize(latent, LATENT_NORM_EPS) * self.kv_a_norm
+        entries, key_pos = torch.cat([latent, k_rot], dim=-1), step.positions
+        if step.caches is not None:
+            cache = step.caches.kv(self.index, "kv")
+            paged_write(cache, step.block_ids, step.positions, entries)
+            if not step.prefill:
+                length = int(step.positions[-1]) + 1
+                entries = paged_read(cache, step.block_ids, length)
+                key_pos = torch.arange(length, device=x.device)
+        latent, k_rot = entries.split([self.latent_dim, self.rope_dim], dim=-1)
+        kv = (latent @ self.kv_b.T).view(entries.shape[0], -1, self.nope_dim + self.v_dim)
+        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
+        k = torch.cat([k_nope, k_rot[:, None, :].expand(-1, k_nope.shape[1], -1)], dim=-1)
+        q = self._query(x).view(T, k.shape[1], -1)
+        o = attend(q, k, v, step.positions, key_pos, self.scale)
+        return o.reshape(T, -1) @ self.o_proj.T
+
+    def _query(self, x: torch.Tensor) -> torch.Tensor:
+        if self.q_a is None:
+            return x @ self.q_proj.T
+        return (rms_normalize(x @ self.q_a.T, LATENT_NORM_EPS) * self.q_a_norm) @ self.q_proj.T

@@ -1,0 +1,42 @@
+"""Nemotron-H's attention: GQA without RoPE over the paged "k"/"v" caches, sharded by head
+(KV heads replicated on several ranks when there are fewer of them than ranks)."""
+
+from __future__ import annotations
+
+import torch
+
+from transfer.geometry import GQASpec, Segment, Sharding
+from transfer.model.layers.common import Step, attend, paged_read, paged_write
+from transfer.model.rank_weights import RankWeights
+
+
+class NoPEAttention:
+    def __init__(self, index: int, spec: GQASpec, prefix: str, w: RankWeights, hidden: int):
+        self.index, D = index, spec.head_dim
+        self.head_dim = D
+        q_dim, kv_dim = spec.num_q_heads * D, spec.num_kv_heads * D
+        q_heads = (Segment("q_heads", spec.num_q_heads, D),)
+        kv_heads = (Segment("kv_heads", spec.num_kv_heads, D, Sharding.SPLIT_OR_REPLICATE),)
+        self.q = w.rows(prefix + "q_proj.weight", q_heads, (q_dim, hidden))
+        self.k = w.rows(prefix + "k_proj.weight", kv_heads, (kv_dim, hidden))
+        self.v = w.rows(prefix + "v_proj.weight", kv_heads, (kv_dim, hidden))
+        self.o = w.cols(prefix + "o_proj.weight", q_heads, (hidden, q_dim))
+        self.scale = spec.head_dim**-0.5
+
+    def __call__(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+        """x [T, hidden] -> this rank's partial output [T, hidden]; caches the T tokens' K, V."""
+        T, D = x.shape[0], self.head_dim
+        q = (x @ self.q.T).view(T, -1, D)
+        k, v = (x @ self.k.T).view(T, -1, D), (x @ self.v.T).view(T, -1, D)
+        key_pos = step.positions
+        if step.caches is not None:
+            k_cache, v_cache = step.caches.kv(self.index, "k"), step.caches.kv(self.index, "v")
+            paged_write(k_cache, step.block_ids, step.positions, k)
+            paged_write(v_cache, step.block_ids, step.positions, v)
+            if not step.prefill:
+                length = int(step.positions[-1]) + 1
+                k = paged_read(k_cache, step.block_ids, length)
+                v = paged_read(v_cache, step.block_ids, length)
+                key_pos = torch.arange(length, device=x.device)
+        o = attend(q, k, v, step.positions, key_pos, self.scale)
+        return o.reshape(T, -1) @ self.o.T

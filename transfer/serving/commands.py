@@ -1,0 +1,153 @@
+"""The commands a worker's control process runs on its rank processes (`RankWorker`), and
+what each rank answers. Torch-free: the control process imports it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from transfer.serving.rank_protocol import RankCommand
+from transfer.serving.spec import RankReads
+
+if TYPE_CHECKING:
+    from transfer.serving.rank_worker import RankWorker
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """What the handshake publishes of one rank."""
+
+    metadata: bytes  # transport metadata
+    layout: bytes  # the rank's Layout as JSON
+
+
+class TransferState(enum.Enum):
+    PENDING = "pending"
+    DONE = "done"  # every READ landed; the slot is READY
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class TransferStatus:
+    """One rank's view of a transfer into it."""
+
+    state: TransferState
+    seconds: float = 0.0  # from posting to the first poll that saw every READ done
+    reason: str = ""  # why it failed
+
+
+@dataclass(frozen=True)
+class Info(RankCommand[RankInfo]):
+    def apply(self, worker: RankWorker) -> RankInfo:
+        return worker.info()
+
+
+@dataclass(frozen=True)
+class AddPeers(RankCommand[None]):
+    """Connect to every rank of prefill instance `instance` (`staging`: arena offsets of
+    their staging areas, read once to set the connections up)."""
+
+    instance: str
+    metadata: tuple[bytes, ...]
+    staging: tuple[int, ...]
+
+    def apply(self, worker: RankWorker) -> None:
+        worker.add_peers(self.instance, list(self.metadata), list(self.staging))
+
+
+@dataclass(frozen=True)
+class Prefill(RankCommand[int]):
+    """Run the prompt into `block_ids`/`slot`; answers the first generated token."""
+
+    prompt_ids: tuple[int, ...]
+    block_ids: tuple[int, ...]
+    slot: int
+
+    def apply(self, worker: RankWorker) -> int:
+        return worker.prefill(list(self.prompt_ids), list(self.block_ids), self.slot)
+
+
+@dataclass(frozen=True)
+class Snapshot(RankCommand[None]):
+    """Write this rank's cache of the request for `launch --verify`."""
+
+    request_id: str
+    side: str  # "prefill" | "decode"
+    block_ids: tuple[int, ...]
+    slot: int
+    num_tokens: int
+
+    def apply(self, worker: RankWorker) -> None:
+        worker.snapshot(
+            self.request_id, self.side, list(self.block_ids), self.slot, self.num_tokens
+        )
+
+
+@dataclass(frozen=True)
+class Release(RankCommand[None]):
+    slot: int
+
+    def apply(self, worker: RankWorker) -> None:
+        worker.release(self.slot)
+
+
+@dataclass(frozen=True)
+class TransferStart(RankCommand[None]):
+    """Mark `slot`/`block_ids` FILLING and post each rank's READs (`reads[rank]`)."""
+
+    request_id: str
+    instance: str
+    reads: tuple[RankReads, ...]
+    slot: int
+    block_ids: tuple[int, ...]
+    deadline_s: float
+
+    def apply(self, worker: RankWorker) -> None:
+        worker.transfer_start(
+            self.request_id,
+            self.instance,
+            self.reads,
+            self.slot,
+            list(self.block_ids),
+            self.deadline_s,
+        )
+
+
+@dataclass(frozen=True)
+class TransferPoll(RankCommand[TransferStatus]):
+    request_id: str
+
+    def apply(self, worker: RankWorker) -> TransferStatus:
+        return worker.transfer_poll(self.request_id)
+
+
+@dataclass(frozen=True)
+class TransferEnd(RankCommand[bool]):
+    """Forget the transfer; answers whether none of its READs can still move bytes."""
+
+    request_id: str
+
+    def apply(self, worker: RankWorker) -> bool:
+        return worker.transfer_end(self.request_id)
+
+
+@dataclass(frozen=True)
+class TransferSettled(RankCommand[bool]):
+    """Whether no READ of an ended transfer can still move bytes."""
+
+    request_id: str
+
+    def apply(self, worker: RankWorker) -> bool:
+        return worker.transfer_settled(self.request_id)
+
+
+@dataclass(frozen=True)
+class DecodeStep(RankCommand[int]):
+    token: int
+    position: int
+    block_ids: tuple[int, ...]
+    slot: int
+
+    def apply(self, worker: RankWorker) -> int:
+        return worker.decode_step(self.token, self.position, list(self.block_ids), self.slot)

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP front end (docs/http.md)."""

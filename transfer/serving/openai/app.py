@@ -1,0 +1,368 @@
+"""The OpenAI-compatible HTTP front end of the router (FastAPI on uvicorn, as vLLM uses).
+
+It turns a request into token ids, streams `Engine.generate`'s tokens back as OpenAI
+completions or chat completions (SSE when `stream`), and stops early on a stop string or
+EOS. A client that disconnects closes the token stream, which cancels the request on the
+workers (the router aborts what it started).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry, generate_latest
+
+from transfer.serving.openai.errors import api_error_of
+from transfer.serving.openai.metrics import HttpMetrics
+from transfer.serving.openai.schema import ApiError, Sampling, bad, parse_chat, parse_completion
+from transfer.serving.openai.text import StreamingText, TextCodec
+
+
+class Engine(Protocol):
+    """What serves the tokens: the router over prefill and decode instances."""
+
+    def generate(self, request_id: str, prompt_ids: list[int], sampling: Sampling) -> Iterator:
+        """Yields events with `.token`, `.logprob` (or None) and `.finished`."""
+
+    def is_ready(self) -> bool: ...
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    name: str
+    max_model_len: int
+    eos_token_ids: tuple[int, ...] = ()
+    codec: TextCodec | None = None
+    default_max_tokens: int = 16
+
+
+@dataclass
+class Outcome:
+    ids: list[int]
+    text: str
+    logprobs: list[float]
+    finish_reason: str
+
+
+_DONE = object()
+
+
+async def _tokens(engine: Engine, request_id, ids, sampling) -> AsyncIterator:
+    """The engine's blocking token stream, consumed on a thread; closing this async
+    iterator (client gone) closes the engine's stream after its next event."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue()
+    cancelled = threading.Event()
+
+    def pump() -> None:
+        stream = engine.generate(request_id, ids, sampling)
+        try:
+            for event in stream:
+                loop.call_soon_threadsafe(queue.put_nowait, event)
+                if cancelled.is_set():
+                    break
+        except BaseException as exc:  # noqa: BLE001 (handed to the event loop)
+            loop.call_soon_threadsafe(queue.put_nowait, exc)
+        finally:
+            close = getattr(stream, "close", None)
+            if close is not None:
+                close()
+            loop.call_soon_threadsafe(queue.put_nowait, _DONE)
+
+    threading.Thread(target=pump, name=f"http-{request_id}", daemon=True).start()
+    try:
+        while True:
+            item = await queue.get()
+            if item is _DONE:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        cancelled.set()
+
+
+class Handler:
+    """Per-request work shared by both endpoints."""
+
+    def __init__(self, engine: Engine, model: ServedModel, metrics: HttpMetrics) -> None:
+        self.engine = engine
+        self.model = model
+        self.metrics = metrics
+
+    def encode(self, prompt: str | tuple[int, ...], param: str) -> list[int]:
+        if isinstance(prompt, tuple):
+            ids = list(prompt)
+        elif self.model.codec is None:
+            raise bad(param, "this model has no tokenizer: send token ids")
+        else:
+            ids = self.model.codec.encode(prompt)
+        if not ids:
+            raise bad(param, "is empty")
+        return ids
+
+    def check_length(self, ids: list[int], sampling: Sampling, param: str) -> None:
+        limit = self.model.max_model_len
+        if len(ids) + sampling.max_tokens > limit:
+            raise bad(
+                param,
+                f"{len(ids)} prompt tokens + max_tokens {sampling.max_tokens} exceed the "
+                f"model's context of {limit} tokens",
+            )
+
+    async def run(self, ids: list[int], sampling: Sampling, emit: Callable | None) -> Outcome:
+        """Generate; `emit(text, token, logprob)` is awaited for each streamed delta."""
+        request_id = uuid.uuid4().hex
+        text = StreamingText(self.model.codec, sampling.stop) if self.model.codec else None
+        out = Outcome([], "", [], "length")
+        start = last = time.perf_counter()
+        stream = _tokens(self.engine, request_id, ids, sampling)
+        try:
+            async for event in stream:
+                now = time.perf_counter()
+                if out.ids:
+                    self.metrics.itl.observe(now - last)
+                else:
+                    self.metrics.ttft.observe(now - start)
+                last = now
+                if event.token in self.model.eos_token_ids:
+                    out.finish_reason = "stop"
+                    break
+                out.ids.append(event.token)
+                if event.logprob is not None:
+                    out.logprobs.append(event.logprob)
+                delta = text.push(event.token) if text is not None else ""
+                if emit is not None:
+                    await emit(delta, event.token, event.logprob)
+                if text is not None and text.stopped:
+                    out.finish_reason = "stop"
+                    break
+                if event.finished:
+                    break
+        finally:
+            await stream.aclose()
+            self.metrics.e2e.observe(time.perf_counter() - start)
+        if text is not None:
+            tail = text.flush()
+            if tail and emit is not None:
+                await emit(tail, None, None)
+            out.text = text.text
+        return out
+
+
+def _sse(payload: dict | str) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload)
+    return f"data: {data}\n\n".encode()
+
+
+def _usage(prompt: int, completion: int) -> dict:
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+
+
+def build_app(
+    engine: Engine,
+    model: ServedModel,
+    *,
+    api_key: str | None = None,
+    registry: CollectorRegistry | None = None,
+) -> FastAPI:
+    """The HTTP app over `engine`; `registry` gets the latency histograms and is served
+    at /metrics (the router's own series live there too)."""
+    registry = registry or CollectorRegistry()
+    handler = Handler(engine, model, HttpMetrics(registry))
+    app = FastAPI(title="pdxfer", docs_url=None, redoc_url=None)
+
+    @app.middleware("http")
+    async def errors_and_auth(request: Request, call_next):
+        try:
+            if api_key and request.url.path.startswith("/v1/"):
+                given = request.headers.get("authorization", "")
+                if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                    raise ApiError(401, "missing or wrong API key", type="authentication_error")
+            return await call_next(request)
+        except ApiError as exc:
+            return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(ApiError)
+    async def api_error(_request: Request, exc: ApiError):
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    async def body_of(request: Request):
+        try:
+            return await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise ApiError(400, "the request body is not valid JSON") from None
+
+    def check_model(name: str) -> None:
+        if name != model.name:
+            raise ApiError(
+                404,
+                f"model: {name!r} is not served here; this server serves {model.name!r}",
+                param="model",
+                code="model_not_found",
+            )
+
+    @app.get("/health")
+    async def health():
+        ready = await asyncio.to_thread(engine.is_ready)
+        return Response(status_code=200 if ready else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(generate_latest(registry).decode())
+
+    @app.get("/v1/models")
+    async def models():
+        card = {"id": model.name, "object": "model", "created": 0, "owned_by": "pdxfer"}
+        card["max_model_len"] = model.max_model_len
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = parse_completion(await body_of(request), default_max_tokens=model.default_max_tokens)
+        check_model(body.model)
+        prompts = [handler.encode(p, "prompt") for p in body.prompts]
+        for ids in prompts:
+            handler.check_length(ids, body.sampling, "prompt")
+        created, cid = int(time.time()), f"cmpl-{uuid.uuid4().hex}"
+
+        def chunk(index: int, text: str, finish: str | None, logprob=None, token=None) -> dict:
+            choice = {"index": index, "text": text, "finish_reason": finish, "logprobs": None}
+            if body.sampling.logprobs is not None and token is not None:
+                choice["logprobs"] = {"tokens": [str(token)], "token_logprobs": [logprob]}
+            return {"id": cid, "object": "text_completion", "created": created,
+                    "model": model.name, "choices": [choice]}  # fmt: skip
+
+        if body.stream:
+
+            async def run(put) -> None:
+                completion_tokens = 0
+                for index, ids in enumerate(prompts):
+
+                    async def emit(text, token, logprob, index=index):
+                        await put(chunk(index, text, None, logprob, token))
+
+                    out = await handler.run(ids, body.sampling, emit)
+                    completion_tokens += len(out.ids)
+                    await put(chunk(index, "", out.finish_reason))
+                if body.include_usage:
+                    usage = _usage(sum(map(len, prompts)), completion_tokens)
+                    await put({"id": cid, "object": "text_completion", "created": created,
+                               "model": model.name, "choices": [], "usage": usage})  # fmt: skip
+
+            return _stream(run)
+
+        choices, completion_tokens = [], 0
+        for index, ids in enumerate(prompts):
+            out = await _guarded(handler.run(ids, body.sampling, None))
+            completion_tokens += len(out.ids)
+            choice = {"index": index, "text": out.text, "finish_reason": out.finish_reason,
+                      "logprobs": None, "token_ids": out.ids}  # fmt: skip
+            if body.sampling.logprobs is not None:
+                choice["logprobs"] = {
+                    "tokens": [str(t) for t in out.ids],
+                    "token_logprobs": out.logprobs,
+                }
+            choices.append(choice)
+        return {"id": cid, "object": "text_completion", "created": created, "model": model.name,
+                "choices": choices,
+                "usage": _usage(sum(map(len, prompts)), completion_tokens)}  # fmt: skip
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        body = parse_chat(await body_of(request), default_max_tokens=model.default_max_tokens)
+        check_model(body.model)
+        if model.codec is None:
+            raise bad("messages", "this model has no tokenizer; use /v1/completions with ids")
+        try:
+            ids = model.codec.encode(model.codec.render_chat(list(body.messages)))
+        except ValueError as exc:
+            raise bad("messages", str(exc).removeprefix("messages: ")) from None
+        handler.check_length(ids, body.sampling, "messages")
+        created, cid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
+
+        def chunk(delta: dict, finish: str | None, logprob=None, token=None) -> dict:
+            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            if body.sampling.logprobs is not None and token is not None:
+                choice["logprobs"] = {"content": [{"token": str(token), "logprob": logprob}]}
+            return {"id": cid, "object": "chat.completion.chunk", "created": created,
+                    "model": model.name, "choices": [choice]}  # fmt: skip
+
+        if body.stream:
+
+            async def run(put) -> None:
+                await put(chunk({"role": "assistant", "content": ""}, None))
+
+                async def emit(text, token, logprob):
+                    await put(chunk({"content": text}, None, logprob, token))
+
+                out = await handler.run(ids, body.sampling, emit)
+                await put(chunk({}, out.finish_reason))
+                if body.include_usage:
+                    await put({"id": cid, "object": "chat.completion.chunk", "created": created,
+                               "model": model.name, "choices": [],
+                               "usage": _usage(len(ids), len(out.ids))})  # fmt: skip
+
+            return _stream(run)
+
+        out = await _guarded(handler.run(ids, body.sampling, None))
+        choice = {"index": 0, "message": {"role": "assistant", "content": out.text},
+                  "finish_reason": out.finish_reason, "logprobs": None}  # fmt: skip
+        if body.sampling.logprobs is not None:
+            choice["logprobs"] = {
+                "content": [
+                    {"token": str(t), "logprob": lp}
+                    for t, lp in zip(out.ids, out.logprobs, strict=False)
+                ]
+            }
+        return {"id": cid, "object": "chat.completion", "created": created, "model": model.name,
+                "choices": [choice], "usage": _usage(len(ids), len(out.ids))}  # fmt: skip
+
+    return app
+
+
+def _stream(run: Callable) -> StreamingResponse:
+    """SSE from `run(put)`, which awaits `put(payload)` per chunk. A client that leaves
+    cancels `run`, and with it the request's token stream."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def produce() -> None:
+        try:
+            await run(queue.put)
+        except Exception as exc:  # noqa: BLE001 (reported in the stream)
+            await queue.put(api_error_of(exc).body())
+        await queue.put(None)
+
+    async def events():
+        task = asyncio.create_task(produce())
+        try:
+            while (item := await queue.get()) is not None:
+                yield _sse(item)
+            yield _sse("[DONE]")
+        finally:
+            task.cancel()
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+async def _guarded(work):
+    try:
+        return await work
+    except ApiError:
+        raise
+    except Exception as exc:  # noqa: BLE001 (turned into the OpenAI error shape)
+        raise api_error_of(exc) from exc

@@ -1,0 +1,29 @@
+"""The HTTP front end's latency histograms, on the router's registry."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Histogram
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class HttpMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.ttft = Histogram(
+            "pdxfer_router_ttft_seconds",
+            "Time from an HTTP request to its first token",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.itl = Histogram(
+            "pdxfer_router_itl_seconds",
+            "Time between consecutive tokens of a request",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.e2e = Histogram(
+            "pdxfer_router_e2e_seconds",
+            "Time from an HTTP request to its last token",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )

@@ -1,0 +1,128 @@
+"""Body of one rank process (`python -m transfer.serving.rank_process`).
+
+It reads a pickled `RankLaunch` on stdin, joins its group, builds its worker, and runs
+commands until told to stop. Rank 0 receives each command on its connection (a socket to
+the control process, or to the driver on another node) and broadcasts it to the group;
+every rank runs it, and rank 0 gathers the per-rank results and sends them back. Ranks
+other than 0 therefore need no connection: they follow rank 0's broadcasts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import pickle
+import signal
+import sys
+import traceback
+from multiprocessing.connection import Connection
+from typing import Any
+
+from transfer.serving.procs import die_with_parent
+from transfer.serving.rank_protocol import RankFailure, RankLaunch, Stop
+
+logger = logging.getLogger(__name__)
+
+# Ranks wait for commands inside a collective; an idle server must not time them out.
+GROUP_TIMEOUT_S = 7 * 24 * 3600.0
+
+
+def _resolve(build: str):
+    module, _, name = build.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def main() -> int:
+    launch: RankLaunch = pickle.load(sys.stdin.buffer)
+    die_with_parent(launch.parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the control process decides when to stop
+    spec = launch.spec
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{spec.rank} %(message)s")
+    conn = Connection(launch.conn_fd) if launch.conn_fd is not None else None
+    from transfer.model.distributed import init_tp_group
+
+    group = init_tp_group(
+        spec.rank, spec.tp, launch.dist_init, device=spec.device, timeout_s=GROUP_TIMEOUT_S
+    )
+    try:
+        try:
+            worker = _resolve(launch.build)(spec, group)
+            ready: Any = None
+        except Exception as exc:
+            logger.error("building the rank failed:\n%s", traceback.format_exc())
+            worker, ready = None, RankFailure.of(spec.rank, exc)
+        _serve(spec.rank, group, conn, worker, ready)
+    finally:
+        group.close()
+        if conn is not None:
+            conn.close()
+    return 0
+
+
+def _serve(rank: int, group, conn: Connection | None, worker, ready) -> None:
+    results = _gather(group, ready)
+    if conn is not None:
+        _send(conn, results)
+    if any(isinstance(r, RankFailure) for r in results):
+        _close(worker)
+        return  # every rank saw the failure: the group cannot serve
+    try:
+        while True:
+            command = group.broadcast_object(_receive(conn), src=0)
+            if isinstance(command, Stop):
+                break
+            try:
+                result = command.apply(worker)
+            except Exception as exc:
+                if not isinstance(exc, ValueError):
+                    logger.error("%s failed:\n%s", type(command).__name__, traceback.format_exc())
+                result = RankFailure.of(rank, exc)
+            after = getattr(worker, "after_command", None)
+            if after is not None:
+                try:
+                    after()
+                except Exception:
+                    logger.error("after_command failed:\n%s", traceback.format_exc())
+            results = _gather(group, result)
+            if conn is not None:
+                _send(conn, results)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        _close(worker)
+
+
+def _receive(conn: Connection | None):
+    """Rank 0: the next command (Stop once the control process is gone); others: None."""
+    if conn is None:
+        return None
+    try:
+        return conn.recv()
+    except (EOFError, OSError):
+        return Stop()
+
+
+def _send(conn: Connection, results: list[Any]) -> None:
+    with contextlib.suppress(OSError):  # the control process is gone: the next receive stops
+        conn.send(results)
+
+
+def _close(worker) -> None:
+    close = getattr(worker, "close", None)
+    if close is not None:
+        close()
+
+
+def _gather(group, value: Any) -> list[Any]:
+    if not (group.distributed and group.size > 1):
+        return [value]
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * group.size
+    dist.all_gather_object(out, value, group=group.group)
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())
