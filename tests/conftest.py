@@ -1,4 +1,16 @@
 """Session-wide test setup."""
 
+import atexit
+import os
+import shutil
+import tempfile
+
 # Snapshot the UCX_* variables before any test imports ucxx (see tests/support/ucx_env.py).
 import tests.support.ucx_env  # noqa: F401
+
+# Tiny presets write their checkpoints once per cache directory: give the session its own
+# (worker processes inherit it), so no test reads or leaves files in the home directory.
+if "PDXFER_CACHE" not in os.environ:
+    _cache = tempfile.mkdtemp(prefix="pdxfer-test-cache-")
+    os.environ["PDXFER_CACHE"] = _cache
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)

@@ -23,7 +23,7 @@ from pathlib import Path
 from transfer.cli.launch_config import LaunchConfig
 from transfer.cli.launch_report import format_table, summarize
 from transfer.cli.launch_run import Progress, References, send_all, verify_outcomes
-from transfer.cli.plan import add_model_arguments
+from transfer.cli.model_args import add_served_model_arguments
 from transfer.errors import InvalidInput
 
 
@@ -35,7 +35,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "on localhost, send N requests at once, print TTFT, transfer time, bytes, descriptors "
         "and tokens/s per request, and shut everything down (Ctrl-C included).",
     )
-    add_model_arguments(parser, default_model="tiny-qwen3-next")
+    add_served_model_arguments(parser, default_model="tiny-qwen3-next")
+    parser.add_argument(
+        "--prompts",
+        metavar="FILE",
+        default=None,
+        help='JSONL, one request per line: {"prompt_token_ids": [...]} or {"prompt": "text"} '
+        "(text needs the checkpoint's tokenizer.json); default: --requests random prompts",
+    )
     parser.add_argument("--prefill-tp", type=int, default=1, help="prefill TP ranks (default 1)")
     parser.add_argument("--decode-tp", type=int, default=1, help="decode TP ranks (default 1)")
     parser.add_argument(
@@ -67,9 +74,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _config(args: argparse.Namespace) -> LaunchConfig:
     """The flags as a checked `LaunchConfig` (every field is named after its flag)."""
-    model = args.model if args.model or args.hf_config else "tiny-qwen3-next"
-    names = [f.name for f in dataclasses.fields(LaunchConfig) if f.name != "model"]
-    return LaunchConfig(model=model, **{name: getattr(args, name) for name in names})
+    names = [f.name for f in dataclasses.fields(LaunchConfig)]
+    return LaunchConfig(**{name: getattr(args, name) for name in names})
 
 
 def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -85,8 +91,10 @@ def run(args: argparse.Namespace) -> int:
 
 def launch(config: LaunchConfig) -> int:
     """Run the workers, send the requests, print the report; 0 when every request passed."""
-    from transfer.presets import load_geometry
+    from transfer.cli.prompts import load_prompts
+    from transfer.presets import load_geometry, looks_like_path
     from transfer.serving.instance import InstanceConfig, plan_for
+    from transfer.serving.openai.text import TextCodec
     from transfer.serving.procs import (
         LAUNCH_ID_ENV,
         check_health,
@@ -96,21 +104,38 @@ def launch(config: LaunchConfig) -> int:
     )
     from transfer.units import parse_size
 
-    geometry = load_geometry(config.model, config.hf_config)
+    geometry = load_geometry(config.model)
+    codec = TextCodec.from_dir(config.model) if looks_like_path(config.model) else None
+    if config.prompts:
+        encode = codec.encode if codec is not None else None
+        prompts = load_prompts(config.prompts, geometry.vocab_size, encode)
+    else:
+        prompts = _prompts(config.requests, config.prompt_len, geometry.vocab_size, config.seed)
     budget = parse_size(config.gpu_mem, "--gpu-mem")
     for role, tp in (("prefill", config.prefill_tp), ("decode", config.decode_tp)):
         try:  # what each serve process will plan, checked before anything starts
-            sizes = {"max_seqs": config.requests, "min_block_size": config.block_size}
-            plan_for(InstanceConfig(role, geometry, tp, budget_bytes=budget, **sizes))
+            sizes = {"max_seqs": len(prompts), "min_block_size": config.block_size}
+            instance = InstanceConfig(
+                role, geometry, model=config.model, ssm_dtype=config.ssm_dtype, tp=tp,
+                budget_bytes=budget, **sizes,
+            )  # fmt: skip
+            plan = plan_for(instance)
         except ValueError as exc:
             raise InvalidInput(f"--{role}-tp {tp}: {exc}") from None
+        longest = max(map(len, prompts)) + config.max_tokens
+        if plan.num_kv_blocks * plan.block_size < longest * len(prompts) and geometry.attention_layers:
+            raise InvalidInput(
+                f"--gpu-mem {config.gpu_mem}: {role} holds {plan.num_kv_blocks} blocks of "
+                f"{plan.block_size} tokens, too few for {len(prompts)} requests of up to "
+                f"{longest} tokens; raise --gpu-mem"
+            )
     run_dir = Path(tempfile.mkdtemp(prefix="pdxfer-launch-"))
     dump_dir = run_dir / "caches" if config.verify else None
-    model_args = ["--model", config.model] if config.model else ["--hf-config", config.hf_config]
     common = [
-        "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", *model_args,
+        "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--model", config.model,
+        "--ssm-dtype", config.ssm_dtype,
         "--transport", config.transport, "--gpu-mem", config.gpu_mem, "--device", config.device,
-        "--max-seqs", str(config.requests), "--block-size", str(config.block_size),
+        "--max-seqs", str(len(prompts)), "--block-size", str(config.block_size),
         "--seed", str(config.seed),
         *(["--dump-dir", str(dump_dir)] if dump_dir else []),
     ]  # fmt: skip
@@ -136,16 +161,17 @@ def launch(config: LaunchConfig) -> int:
             for role, tp in (("prefill", config.prefill_tp), ("decode", config.decode_tp))
         ]
         procs += workers
-        prompts = _prompts(config.requests, config.prompt_len, geometry.vocab_size, config.seed)
         if config.verify:
-            references = References(geometry, prompts, config.max_tokens, config.seed)
+            references = References(
+                config.model, prompts, config.max_tokens, config.seed, config.ssm_dtype
+            )
         wait_ready(workers, config.timeout)
         router_args = ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "0",
                        "--prefill", workers[0].address, "--decode", workers[1].address]  # fmt: skip
         procs.append(start_serve("router", router_args, run_dir, env))
         wait_ready(procs[-1:], config.timeout)
         check_health(procs, config.timeout)
-        say.line(f"router at {procs[-1].address}; sending {config.requests} requests")
+        say.line(f"router at {procs[-1].address}; sending {len(prompts)} requests")
         outcomes = send_all(
             procs[-1].address, token, prompts, config.max_tokens, config.timeout, say
         )
@@ -173,7 +199,7 @@ def launch(config: LaunchConfig) -> int:
             print(f"launch: run directory kept at {run_dir}", file=sys.stderr)
         else:
             shutil.rmtree(run_dir, ignore_errors=True)
-    summary = summarize(outcomes, config)
+    summary = summarize(outcomes, config, codec)
     if config.json:
         print(json.dumps(summary, indent=2))
     else:

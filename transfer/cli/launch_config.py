@@ -11,11 +11,13 @@ _AT_LEAST_ONE = ("prefill_tp", "decode_tp", "requests", "prompt_len", "max_token
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """One launch run. `model` is a preset name, or None when `hf_config` names a config.json;
-    `timeout` bounds startup and, separately, the requests (seconds)."""
+    """One launch run. `model` is a tiny preset or a checkpoint directory; `prompts` a JSONL
+    file of requests (None: `requests` random prompts of `prompt_len` tokens); `timeout`
+    bounds startup and, separately, the requests (seconds)."""
 
-    model: str | None
-    hf_config: str | None
+    model: str
+    ssm_dtype: str = "auto"
+    prompts: str | None = None
     prefill_tp: int = 1
     decode_tp: int = 1
     transport: str = "nixl"
@@ -38,5 +40,3 @@ class LaunchConfig:
                 raise InvalidInput(f"--{flag} must be >= 1, got {getattr(self, name)}")
         if self.timeout <= 0:
             raise InvalidInput(f"--timeout must be > 0, got {self.timeout}")
-        if self.model is None and self.hf_config is None:
-            raise InvalidInput("--model or --hf-config: give one")

@@ -20,11 +20,32 @@ def percentiles(values: list[float]) -> dict[str, float]:
     return {"p50": pick(0.5), "p99": pick(0.99)}
 
 
-def summarize(outcomes: list[Outcome], config: LaunchConfig) -> dict:
-    """The `--json` document. Byte and descriptor counts are totals over the requests."""
+def summarize(outcomes: list[Outcome], config: LaunchConfig, codec=None) -> dict:
+    """The `--json` document. Byte and descriptor counts are totals over the requests;
+    `codec` (the checkpoint's tokenizer, if any) adds each request's text."""
     good = [o for o in outcomes if not o.error]
+    per_request = []
+    for index, o in enumerate(outcomes):
+        row = {
+            "index": index,
+            "request_id": o.request_id,
+            "prompt_tokens": len(o.prompt),
+            "tokens": len(o.tokens),
+            "output_token_ids": list(o.tokens),
+            "ttft_ms": round(o.ttft_ms, 3),
+            "transfer_ms": round(o.transfer_ms, 3),
+            "kv_bytes": o.kv_bytes,
+            "state_bytes": o.state_bytes,
+            "descriptors": o.descriptors,
+            "tokens_per_s": round(o.tokens_per_s, 2),
+            "error": o.error,
+            "problems": o.problems,
+        }
+        if codec is not None:
+            row["text"] = codec.decode(o.tokens)
+        per_request.append(row)
     return {
-        "model": config.model or config.hf_config,
+        "model": config.model,
         "transport": config.transport,
         "prefill_tp": config.prefill_tp,
         "decode_tp": config.decode_tp,
@@ -32,7 +53,7 @@ def summarize(outcomes: list[Outcome], config: LaunchConfig) -> dict:
         "verify": bool(config.verify),
         "verified": sum(o.ok for o in outcomes) if config.verify else 0,
         "failed": sum(not o.ok for o in outcomes),
-        "prompt_len": config.prompt_len,
+        "prompt_len": max((len(o.prompt) for o in outcomes), default=0),
         "max_tokens": config.max_tokens,
         "kv_bytes": sum(o.kv_bytes for o in good),
         "state_bytes": sum(o.state_bytes for o in good),
@@ -40,21 +61,7 @@ def summarize(outcomes: list[Outcome], config: LaunchConfig) -> dict:
         "ttft_ms": percentiles([o.ttft_ms for o in good]),
         "transfer_ms": percentiles([o.transfer_ms for o in good]),
         "tokens_per_s": percentiles([o.tokens_per_s for o in good]),
-        "per_request": [
-            {
-                "request_id": o.request_id,
-                "tokens": len(o.tokens),
-                "ttft_ms": round(o.ttft_ms, 3),
-                "transfer_ms": round(o.transfer_ms, 3),
-                "kv_bytes": o.kv_bytes,
-                "state_bytes": o.state_bytes,
-                "descriptors": o.descriptors,
-                "tokens_per_s": round(o.tokens_per_s, 2),
-                "error": o.error,
-                "problems": o.problems,
-            }
-            for o in outcomes
-        ],
+        "per_request": per_request,
     }
 
 

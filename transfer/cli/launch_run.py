@@ -128,11 +128,16 @@ class References:
     start and serve (check 2 of --verify)."""
 
     def __init__(
-        self, geometry: ModelGeometry, prompts: list[list[int]], max_tokens: int, seed: int
+        self,
+        model: str,
+        prompts: list[list[int]],
+        max_tokens: int,
+        seed: int,
+        ssm_dtype: str = "auto",
     ) -> None:
         self.tokens: list[list[int]] = []
         self.error: BaseException | None = None
-        self._args = (geometry, prompts, max_tokens, seed)
+        self._args = (model, prompts, max_tokens, seed, ssm_dtype)
         self._thread = threading.Thread(target=self._run, name="pdxfer-reference", daemon=True)
         self._thread.start()
 
@@ -141,11 +146,18 @@ class References:
             import torch
 
             from transfer.model.reference import reference_generate
+            from transfer.presets import load_geometry
+            from transfer.sizing import CacheDtypes
 
             if "OMP_NUM_THREADS" not in os.environ:
                 torch.set_num_threads(1)  # a tiny model; more threads only fight the workers
-            geometry, prompts, max_tokens, seed = self._args
-            self.tokens = [reference_generate(geometry, p, max_tokens, seed) for p in prompts]
+            model, prompts, max_tokens, seed, ssm_dtype = self._args
+            geometry = load_geometry(model)
+            dtypes = CacheDtypes.for_model(geometry, ssm_dtype)
+            self.tokens = [
+                reference_generate(geometry, p, max_tokens, seed, source=model, dtypes=dtypes)
+                for p in prompts
+            ]
         except BaseException as exc:
             self.error = exc
 

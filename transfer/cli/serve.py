@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from transfer.cli.plan import add_model_arguments
+from transfer.cli.model_args import add_served_model_arguments
 
 ROLES = ("prefill", "decode", "router")
 
@@ -29,7 +29,7 @@ def add_security_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
-    add_model_arguments(parser, default_model="tiny-qwen3-next")
+    add_served_model_arguments(parser, default_model="tiny-qwen3-next")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (default 1)")
     parser.add_argument(
         "--transport", choices=["nixl", "ucx"], default="nixl", help="data plane (default nixl)"

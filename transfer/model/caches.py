@@ -68,7 +68,7 @@ def view_shape(layer: LayerSpec, name: str, tp: int, rows: int, block_size: int)
 
 class LocalCaches:
     """Plain per-tensor caches for one rank (no arena, no transport); `tensors` maps
-    (layer index, tensor name) to each. SSM is always fp32, KV and conv use `dtype`."""
+    (layer index, tensor name) to each. KV and conv use `dtype`, SSM `ssm_dtype`."""
 
     def __init__(
         self,
@@ -79,6 +79,7 @@ class LocalCaches:
         block_size: int,
         num_slots: int,
         dtype: torch.dtype = torch.float32,
+        ssm_dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> None:
         for field, value in (("num_blocks", num_blocks), ("block_size", block_size)):
@@ -95,7 +96,7 @@ class LocalCaches:
             for tensor in layer.cache_tensors():
                 rows = num_blocks if tensor.role is Role.KV else num_slots
                 shape = view_shape(layer, tensor.name, tp, rows, block_size)
-                state_dtype = torch.float32 if tensor.role is Role.SSM else dtype
+                state_dtype = ssm_dtype if tensor.role is Role.SSM else dtype
                 self.tensors[layer.index, tensor.name] = torch.zeros(
                     shape, dtype=state_dtype, device=device
                 )

@@ -23,7 +23,8 @@ from transfer.geometry import ModelGeometry
 from transfer.memplan import MemoryPlan, PagePolicy, plan_memory
 from transfer.serving.commands import Info
 from transfer.serving.ranks import RankGroup
-from transfer.serving.spec import WORKER_DTYPES, RankSpec
+from transfer.serving.spec import RankSpec
+from transfer.sizing import CacheDtypes
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +35,8 @@ BUILD_RANK_WORKER = "transfer.serving.rank_worker:build_rank_worker"
 class InstanceConfig:
     role: str  # "prefill" | "decode"
     geometry: ModelGeometry
+    model: str = ""  # a preset name or a checkpoint directory; "" = geometry.name
+    ssm_dtype: str = "auto"  # the recurrent state's dtype; auto = the config's, else the model's
     tp: int = 1
     transport: str = "nixl"
     device: str = "cpu"
@@ -63,6 +66,14 @@ class InstanceConfig:
         self.geometry.check_tp(self.tp)
 
     @property
+    def model_source(self) -> str:
+        return self.model or self.geometry.name
+
+    @property
+    def cache_dtypes(self) -> CacheDtypes:
+        return CacheDtypes.for_model(self.geometry, self.ssm_dtype)
+
+    @property
     def is_leader(self) -> bool:
         return self.node_rank == 0
 
@@ -70,7 +81,7 @@ class InstanceConfig:
 def plan_for(config: InstanceConfig) -> MemoryPlan:
     """The memory plan of one rank, with a block size that does not depend on TP."""
     geometry, budget = config.geometry, config.budget_bytes
-    common = dict(dtypes=WORKER_DTYPES, page_policy=PagePolicy.VLLM)
+    common = dict(dtypes=config.cache_dtypes, page_policy=PagePolicy.VLLM)
     block = plan_memory(geometry, 1, budget, config.max_seqs, config.min_block_size, **common)
     plan = plan_memory(
         geometry,
@@ -98,7 +109,9 @@ def rank_specs(config: InstanceConfig, plan: MemoryPlan) -> list[RankSpec]:
         RankSpec(
             role=config.role,
             instance_id=prefix,
+            model=config.model_source,
             geometry=config.geometry,
+            dtypes=config.cache_dtypes,
             tp=config.tp,
             rank=rank,
             plan=plan,

@@ -26,9 +26,10 @@ from transfer.cache.arena import Arena
 from transfer.cache.layout import Layout
 from transfer.dataplane import Op, RangeBatch, make_transport, wait
 from transfer.model.caches import ArenaCaches
+from transfer.model.loader import load_model
 from transfer.model.runner import RankEngine
 from transfer.serving.commands import RankInfo, TransferState, TransferStatus
-from transfer.serving.spec import WARMUP_BYTES, WORKER_DTYPES, RankReads, RankSpec
+from transfer.serving.spec import WARMUP_BYTES, RankReads, RankSpec
 from transfer.serving.verify import save_snapshot, snapshot_request
 
 logger = logging.getLogger(__name__)
@@ -49,7 +50,7 @@ def build_rank_worker(spec: RankSpec, group) -> RankWorker:
 
 def layout_for(spec: RankSpec) -> Layout:
     return Layout.from_memplan(
-        spec.geometry, spec.tp, spec.rank, spec.plan, WORKER_DTYPES, staging_bytes=WARMUP_BYTES
+        spec.geometry, spec.tp, spec.rank, spec.plan, spec.dtypes, staging_bytes=WARMUP_BYTES
     )
 
 
@@ -69,7 +70,8 @@ class RankWorker:
         self.arena = Arena.allocate(self.layout, device)
         self.arena.buffer.zero_()
         self.caches = ArenaCaches(self.arena)
-        self.engine = RankEngine(spec.geometry, self.caches, group, spec.seed, device)
+        model = load_model(spec.model, group, device, seed=spec.seed)
+        self.engine = RankEngine(spec.geometry, self.caches, group, spec.seed, device, model=model)
         self.transport = make_transport(spec.transport, spec.agent_name)
         self.metadata = self.transport.register(self.arena.buffer)
         self.peers: dict[str, list[str]] = {}  # prefill instance -> peer name of each rank

@@ -154,12 +154,13 @@ def instance_config(args: argparse.Namespace):
     from transfer.presets import load_geometry
     from transfer.serving.instance import InstanceConfig
 
-    model = args.model if (args.model or args.hf_config) else "tiny-qwen3-next"
     if args.lease_seconds <= 0:
         raise ValueError(f"--lease-seconds must be > 0, got {args.lease_seconds}")
     return InstanceConfig(
         role=args.role,
-        geometry=load_geometry(model, args.hf_config),
+        geometry=load_geometry(args.model),
+        model=args.model,
+        ssm_dtype=args.ssm_dtype,
         tp=args.tp,
         transport=args.transport,
         device=args.device,

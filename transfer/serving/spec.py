@@ -10,8 +10,6 @@ from transfer.geometry import ModelGeometry
 from transfer.memplan import MemoryPlan
 from transfer.sizing import CacheDtypes
 
-# fp32 caches: the colocated reference keeps fp32 too, so tokens match exactly.
-WORKER_DTYPES = CacheDtypes(kv=4, ssm=4, conv=4)
 # A decode rank READs this much from each prefill rank's staging area at handshake, so
 # connection setup is not charged to the first request's transfer.
 WARMUP_BYTES = 64
@@ -23,7 +21,9 @@ class RankSpec:
 
     role: str  # "prefill" | "decode"
     instance_id: str
+    model: str  # a preset name or a checkpoint directory
     geometry: ModelGeometry
+    dtypes: CacheDtypes
     tp: int
     rank: int
     plan: MemoryPlan
