@@ -1,4 +1,4 @@
-"""REFERENCE.md §5 bugs 4 and 6: transferred state is never reset, filling slots are never touched."""
+"""docs/bugs.md #4 and #6: transferred state is never reset, filling slots are never touched."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ import argparse
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "bench",
-        help="transfer, transport and kernel benchmarks",
+        help="transfer, transport, serving and kernel benchmarks",
         description="Benchmarks. Timing lives here, never in pass/fail tests.",
     )
     bench_subparsers = parser.add_subparsers(dest="bench", required=True, metavar="BENCH")
@@ -22,6 +22,7 @@ def _benchmarks() -> list:
     from kernels import bench as kernels_bench
     from transfer.bench import control as control_bench
     from transfer.bench import transport as transport_bench
+    from transfer.cli import bench_serve as serve_bench
     from transfer.cli import bench_transfer as transfer_bench
 
     return [
@@ -29,4 +30,5 @@ def _benchmarks() -> list:
         control_bench.register,
         transport_bench.register,
         transfer_bench.register,
+        serve_bench.register,
     ]

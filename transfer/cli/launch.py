@@ -11,13 +11,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import random
 import shutil
 import signal
 import sys
 import tempfile
-import uuid
 from pathlib import Path
 
 from transfer.cli.launch_config import LaunchConfig
@@ -94,14 +92,8 @@ def launch(config: LaunchConfig) -> int:
     from transfer.cli.prompts import load_prompts
     from transfer.presets import load_geometry, looks_like_path
     from transfer.serving.instance import InstanceConfig, plan_for
+    from transfer.serving.local import LocalPair, LocalPairConfig
     from transfer.serving.openai.text import TextCodec
-    from transfer.serving.procs import (
-        LAUNCH_ID_ENV,
-        check_health,
-        start_serve,
-        stop_all,
-        wait_ready,
-    )
     from transfer.units import parse_size
 
     geometry = load_geometry(config.model)
@@ -123,7 +115,10 @@ def launch(config: LaunchConfig) -> int:
         except ValueError as exc:
             raise InvalidInput(f"--{role}-tp {tp}: {exc}") from None
         longest = max(map(len, prompts)) + config.max_tokens
-        if plan.num_kv_blocks * plan.block_size < longest * len(prompts) and geometry.attention_layers:
+        if (
+            plan.num_kv_blocks * plan.block_size < longest * len(prompts)
+            and geometry.attention_layers
+        ):
             raise InvalidInput(
                 f"--gpu-mem {config.gpu_mem}: {role} holds {plan.num_kv_blocks} blocks of "
                 f"{plan.block_size} tokens, too few for {len(prompts)} requests of up to "
@@ -131,21 +126,14 @@ def launch(config: LaunchConfig) -> int:
             )
     run_dir = Path(tempfile.mkdtemp(prefix="pdxfer-launch-"))
     dump_dir = run_dir / "caches" if config.verify else None
-    common = [
-        "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--model", config.model,
-        "--ssm-dtype", config.ssm_dtype,
-        "--transport", config.transport, "--gpu-mem", config.gpu_mem, "--device", config.device,
-        "--max-seqs", str(len(prompts)), "--block-size", str(config.block_size),
-        "--seed", str(config.seed),
-        *(["--dump-dir", str(dump_dir)] if dump_dir else []),
-    ]  # fmt: skip
-    token = uuid.uuid4().hex
-    # Every child carries the run's id in its environment: tests find leftovers by it.
-    env = {
-        LAUNCH_ID_ENV: os.environ.get(LAUNCH_ID_ENV) or uuid.uuid4().hex,
-        "PDXFER_AUTH_TOKEN": token,
-    }
-    procs = []
+    pair = LocalPair(
+        LocalPairConfig(
+            config.model, config.prefill_tp, config.decode_tp, config.ssm_dtype,
+            config.transport, config.gpu_mem, config.device, len(prompts), config.block_size,
+            config.seed, dump_dir, config.timeout,
+        ),
+        run_dir,
+    )  # fmt: skip
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     ok = keep = False  # the run directory is kept when something failed, not on Ctrl-C
     try:
@@ -154,27 +142,14 @@ def launch(config: LaunchConfig) -> int:
             f"starting prefill (tp {config.prefill_tp}) and decode (tp {config.decode_tp}) "
             f"with {config.transport}; logs in {run_dir}"
         )
-        workers = [
-            start_serve(
-                role, [*common, "--tp", str(tp), "--instance-id", f"{role}-0"], run_dir, env
-            )
-            for role, tp in (("prefill", config.prefill_tp), ("decode", config.decode_tp))
-        ]
-        procs += workers
+        pair.start_workers()
         if config.verify:
             references = References(
                 config.model, prompts, config.max_tokens, config.seed, config.ssm_dtype
             )
-        wait_ready(workers, config.timeout)
-        router_args = ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "0",
-                       "--prefill", workers[0].address, "--decode", workers[1].address]  # fmt: skip
-        procs.append(start_serve("router", router_args, run_dir, env))
-        wait_ready(procs[-1:], config.timeout)
-        check_health(procs, config.timeout)
-        say.line(f"router at {procs[-1].address}; sending {len(prompts)} requests")
-        outcomes = send_all(
-            procs[-1].address, token, prompts, config.max_tokens, config.timeout, say
-        )
+        address = pair.start_router()
+        say.line(f"router at {address}; sending {len(prompts)} requests")
+        outcomes = send_all(address, pair.token, prompts, config.max_tokens, config.timeout, say)
         if config.verify:
             say.line("verifying")
             verify_outcomes(
@@ -194,7 +169,7 @@ def launch(config: LaunchConfig) -> int:
         return 1
     finally:
         signal.signal(signal.SIGTERM, previous)
-        stop_all(procs)
+        pair.close()
         if keep or config.keep_logs:
             print(f"launch: run directory kept at {run_dir}", file=sys.stderr)
         else:

@@ -1,0 +1,44 @@
+"""`pdxfer bench serve`: a real P/D pair under closed-loop load, reported per concurrency."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.support.launch import MAIN, ROOT
+
+
+def bench(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", MAIN, "bench", "serve", *args],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+def test_reports_every_concurrency_with_the_documented_keys(tmp_path):
+    plot = tmp_path / "serve.png"
+    result = bench(
+        "--concurrency", "1,3", "--requests", "6", "--prompt-len", "20", "--max-tokens", "5",
+        "--json", "--plot", str(plot),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    assert [r["concurrency"] for r in report["results"]] == [1, 3]
+    for r in report["results"]:
+        assert r["failed"] == 0
+        assert r["output_tokens"] == 6 * 5
+        assert r["output_tokens_per_s"] == pytest.approx(r["output_tokens"] / r["wall_s"], rel=0.01)
+        for key in ("ttft_ms", "itl_ms", "e2e_ms", "transfer_ms"):
+            assert r[key]["p50"] <= r[key]["p99"]
+        assert r["ttft_ms"]["p50"] <= r["e2e_ms"]["p50"]
+    assert plot.stat().st_size > 0
+
+
+@pytest.mark.parametrize("flag, value", [("--concurrency", "1,x"), ("--concurrency", "0"),
+                                         ("--requests", "0")])  # fmt: skip
+def test_bad_flags_are_named(flag, value):
+    result = bench(flag, value)
+    assert result.returncode == 2
+    assert flag in result.stderr

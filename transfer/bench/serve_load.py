@@ -1,0 +1,138 @@
+"""Closed-loop load against a router: `concurrency` clients, each sending its next request as
+soon as its last one finished, until every prompt was served."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from transfer.control.client import RouterClient
+from transfer.control.errors import ControlError
+from transfer.control.types import GenerateRequest
+from transfer.stats import percentile
+
+# A full instance answers RESOURCE_EXHAUSTED; a closed-loop client backs off and resends,
+# as an OpenAI client does on 429.
+BACKOFF_S = 0.02
+
+
+@dataclass
+class _Request:
+    ttft_s: float = 0.0
+    gaps_s: list[float] = field(default_factory=list)
+    e2e_s: float = 0.0
+    transfer_ms: float = 0.0
+    tokens: int = 0
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    """One concurrency level. Latencies are {"p50": ms, "p99": ms}."""
+
+    concurrency: int
+    requests: int
+    failed: int
+    retries: int
+    output_tokens: int
+    wall_s: float
+    output_tokens_per_s: float
+    ttft_ms: dict
+    itl_ms: dict
+    e2e_ms: dict
+    transfer_ms: dict
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def _p50_p99(values_s: Sequence[float], scale: float = 1e3) -> dict:
+    if not values_s:
+        return {"p50": 0.0, "p99": 0.0}
+    ms = [v * scale for v in values_s]
+    return {
+        "p50": round(percentile(ms, 50, interpolate=True), 3),
+        "p99": round(percentile(ms, 99, interpolate=True), 3),
+    }
+
+
+def run_load(
+    address: str,
+    token: str | None,
+    prompts: Sequence[Sequence[int]],
+    max_tokens: int,
+    concurrency: int,
+    timeout_s: float,
+) -> LoadResult:
+    """Serve every prompt with `concurrency` clients in a closed loop; figures over all."""
+    client = RouterClient(address, token=token, timeout_s=timeout_s)
+    results = [_Request() for _ in prompts]
+    next_index = iter(range(len(prompts)))
+    lock = threading.Lock()
+    retries = [0]
+    deadline = time.monotonic() + timeout_s
+
+    def one(index: int, tag: str) -> None:
+        out = results[index]
+        request = GenerateRequest(f"load-{tag}-{index}", tuple(prompts[index]), max_tokens)
+        while True:
+            start = last = time.perf_counter()
+            out.gaps_s.clear()
+            out.tokens = 0
+            try:
+                for event in client.generate(request):
+                    now = time.perf_counter()
+                    if out.tokens == 0:
+                        out.ttft_s, out.transfer_ms = now - start, event.transfer_ms
+                    else:
+                        out.gaps_s.append(now - last)
+                    last = now
+                    out.tokens += 1
+                out.e2e_s = time.perf_counter() - start
+                return
+            except ControlError as exc:
+                if exc.code != "RESOURCE_EXHAUSTED" or time.monotonic() > deadline:
+                    out.error = str(exc)
+                    return
+                with lock:
+                    retries[0] += 1
+                time.sleep(BACKOFF_S)
+
+    def client_loop(tag: str) -> None:
+        while True:
+            with lock:
+                index = next(next_index, None)
+            if index is None or time.monotonic() > deadline:
+                return
+            one(index, tag)
+
+    threads = [
+        threading.Thread(target=client_loop, args=(f"c{concurrency}-{i}",), daemon=True)
+        for i in range(concurrency)
+    ]
+    began = time.perf_counter()
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()) + 5.0)
+    finally:
+        client.close()
+    wall = time.perf_counter() - began
+    good = [r for r in results if not r.error and r.tokens]
+    tokens = sum(r.tokens for r in good)
+    return LoadResult(
+        concurrency=concurrency,
+        requests=len(prompts),
+        failed=len(prompts) - len(good),
+        retries=retries[0],
+        output_tokens=tokens,
+        wall_s=round(wall, 3),
+        output_tokens_per_s=round(tokens / wall, 3) if wall > 0 else 0.0,
+        ttft_ms=_p50_p99([r.ttft_s for r in good]),
+        itl_ms=_p50_p99([g for r in good for g in r.gaps_s]),
+        e2e_ms=_p50_p99([r.e2e_s for r in good]),
+        transfer_ms=_p50_p99([r.transfer_ms for r in good], scale=1.0),
+    )

@@ -1,0 +1,157 @@
+"""`pdxfer bench serve`: a local P/D pair (as `launch` runs it) under closed-loop load at
+several concurrencies: throughput and TTFT / ITL / end-to-end / transfer latencies."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from transfer.cli.model_args import add_served_model_arguments
+from transfer.errors import InvalidInput
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "serve",
+        help="throughput and latency of a local P/D pair under closed-loop load",
+        description="Start a prefill instance, a decode instance and a router on this machine, "
+        "then, for each concurrency C, let C clients send requests back to back until "
+        "--requests were served. Reports output tokens/s and p50/p99 TTFT, inter-token latency, "
+        "end-to-end latency and transfer time per concurrency.",
+    )
+    add_served_model_arguments(parser, default_model="tiny-qwen3-next")
+    parser.add_argument(
+        "--concurrency",
+        default="1,4,16,32",
+        help="comma-separated client counts (default 1,4,16,32)",
+    )
+    parser.add_argument(
+        "--requests", type=int, default=64, help="requests per concurrency (default 64)"
+    )
+    parser.add_argument("--prompt-len", type=int, default=64, help="prompt tokens (default 64)")
+    parser.add_argument(
+        "--max-tokens", type=int, default=32, help="tokens per request (default 32)"
+    )
+    parser.add_argument("--prefill-tp", type=int, default=1, help="(default 1)")
+    parser.add_argument("--decode-tp", type=int, default=1, help="(default 1)")
+    parser.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=None,
+        help="live requests per instance (default: the largest concurrency); 1 turns batching off",
+    )
+    parser.add_argument(
+        "--transport", choices=["nixl", "ucx"], default="nixl", help="(default nixl)"
+    )
+    parser.add_argument(
+        "--gpu-mem", default="256MiB", help="cache memory per rank (default 256MiB)"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="weights and prompts seed (default 0)")
+    parser.add_argument(
+        "--timeout", type=float, default=600.0, help="seconds per concurrency level (default 600)"
+    )
+    parser.add_argument("--json", action="store_true", help='print {"results": [...]}')
+    parser.add_argument("--plot", metavar="FILE", help="PNG: throughput and latency vs concurrency")
+    parser.set_defaults(func=run)
+
+
+def _concurrencies(text: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise InvalidInput(f"--concurrency: expected integers like 1,4,16, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise InvalidInput(f"--concurrency: every value must be >= 1, got {text!r}")
+    return values
+
+
+def run(args: argparse.Namespace) -> int:
+    from transfer.bench.serve_load import run_load
+    from transfer.presets import load_geometry
+    from transfer.serving.local import LocalPair, LocalPairConfig
+
+    levels = _concurrencies(args.concurrency)
+    for name in ("requests", "prompt_len", "max_tokens"):
+        if getattr(args, name) < 1:
+            raise InvalidInput(
+                f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}"
+            )
+    geometry = load_geometry(args.model)
+    rng = random.Random(f"pdxfer-bench-serve:{args.seed}")
+    prompts = [
+        [rng.randrange(geometry.vocab_size) for _ in range(args.prompt_len)]
+        for _ in range(args.requests)
+    ]
+    max_seqs = args.max_num_seqs or max(levels)
+    run_dir = Path(tempfile.mkdtemp(prefix="pdxfer-bench-serve-"))
+    config = LocalPairConfig(
+        args.model, args.prefill_tp, args.decode_tp, args.ssm_dtype, args.transport,
+        args.gpu_mem, "cpu", max_seqs, seed=args.seed, timeout_s=args.timeout,
+    )  # fmt: skip
+    pair = LocalPair(config, run_dir)
+    results = []
+    try:
+        print(f"bench serve: starting {args.model} P={args.prefill_tp} D={args.decode_tp} "
+              f"max_num_seqs={max_seqs}; logs in {run_dir}", file=sys.stderr)  # fmt: skip
+        pair.start_workers()
+        address = pair.start_router()
+        for level in levels:
+            result = run_load(address, pair.token, prompts, args.max_tokens, level, args.timeout)
+            print(f"bench serve: concurrency {level}: {result.output_tokens_per_s:.1f} tok/s, "
+                  f"ttft p50 {result.ttft_ms['p50']:.0f} ms, itl p50 {result.itl_ms['p50']:.1f} ms, "
+                  f"{result.failed} failed", file=sys.stderr)  # fmt: skip
+            results.append(result.to_dict())
+    finally:
+        pair.close()
+        shutil.rmtree(run_dir, ignore_errors=True)
+    report = {
+        "model": args.model,
+        "prefill_tp": args.prefill_tp,
+        "decode_tp": args.decode_tp,
+        "max_num_seqs": max_seqs,
+        "prompt_len": args.prompt_len,
+        "max_tokens": args.max_tokens,
+        "results": results,
+    }
+    if args.plot:
+        _plot(results, args.plot, f"{args.model} P={args.prefill_tp} D={args.decode_tp}")
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        header = f"{'conc':>5} {'tok/s':>9} {'ttft p50':>9} {'ttft p99':>9} {'itl p50':>8} {'e2e p50':>8} {'xfer p50':>8} {'failed':>6}"
+        print(header)
+        for r in results:
+            print(f"{r['concurrency']:>5} {r['output_tokens_per_s']:>9.1f} {r['ttft_ms']['p50']:>9.1f} "
+                  f"{r['ttft_ms']['p99']:>9.1f} {r['itl_ms']['p50']:>8.1f} {r['e2e_ms']['p50']:>8.1f} "
+                  f"{r['transfer_ms']['p50']:>8.2f} {r['failed']:>6}")  # fmt: skip
+    return 0 if all(r["failed"] == 0 for r in results) else 1
+
+
+def _plot(results: list[dict], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    levels = [r["concurrency"] for r in results]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
+    left.plot(levels, [r["output_tokens_per_s"] for r in results], marker="o")
+    left.set_xlabel("concurrency")
+    left.set_ylabel("output tokens/s")
+    left.set_xscale("log", base=2)
+    for key, label in (("ttft_ms", "TTFT"), ("itl_ms", "ITL"), ("e2e_ms", "end to end")):
+        right.plot(levels, [r[key]["p50"] for r in results], marker="o", label=f"{label} p50")
+    right.set_xlabel("concurrency")
+    right.set_ylabel("ms")
+    right.set_xscale("log", base=2)
+    right.set_yscale("log")
+    right.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
