@@ -143,7 +143,7 @@ def run_ranks(model: str, tp_size: int, out_dir: Path) -> list[dict]:
     return [torch.load(out_dir / f"rank{rank}.pt") for rank in range(tp_size)]
 
 
-# TP=4 puts each of tiny-qwen3-next's 2 KV heads on 2 ranks (REFERENCE.md §5 bug 2).
+# TP=4 puts each of tiny-qwen3-next's 2 KV heads on 2 ranks (docs/bugs.md #2).
 @pytest.fixture(
     scope="module",
     params=[("tiny-qwen3-next", 2), ("tiny-kimi-linear", 2), ("tiny-qwen3-next", 4)],

@@ -1,5 +1,5 @@
 """A prefill and a decode instance in this process (their TP ranks are real processes):
-the request lifecycle, its failure paths, and regression tests for REFERENCE.md §5 bugs 4
+the request lifecycle, its failure paths, and regression tests for docs/bugs.md #4
 and 6. Every test ends with both instances' pools back at their totals and no live ticket.
 """
 
@@ -78,7 +78,7 @@ def start_prefill(dump_dir: Path, name: str) -> Side:
 def config(role: str, dump_dir: Path) -> InstanceConfig:
     geometry = get_preset(MODEL)
     return InstanceConfig(
-        role, geometry, 1, budget_bytes=16 << 20, max_seqs=3, dump_dir=str(dump_dir)
+        role, geometry, tp=1, budget_bytes=16 << 20, max_seqs=3, dump_dir=str(dump_dir)
     )
 
 
@@ -213,7 +213,7 @@ def test_no_step_touches_a_slot_while_a_transfer_fills_it(cluster, spare):
         peer.client.release("bug6", holder, ticket.block_ids, ticket.slot_id)
         tokens = [ticket.first_token]
         for i in range(MAX_TOKENS - 1):
-            tokens += ranks.call(DecodeStep(tokens[-1], len(ids) + i, blocks, slot))
+            tokens.append(ranks.call(DecodeStep(tokens[-1], len(ids) + i, blocks, slot))[0].token)
         assert tokens == reference_generate(geometry, ids, MAX_TOKENS)
         ranks.call(Release(slot))
         decode.instance.pools.free("bug6")

@@ -109,7 +109,39 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="HOST:PORT",
         help="a decode instance (repeat)",
     )
+    add_http_arguments(router)
     parser.set_defaults(func=run)
+
+
+def add_http_arguments(group, default_port: int | None = None) -> None:
+    """The router's OpenAI-compatible HTTP front end (also used by `pdxfer up`)."""
+    group.add_argument(
+        "--http-port",
+        type=int,
+        default=default_port,
+        help="serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, "
+        f"/health, /metrics) on this port (default: {default_port or 'no HTTP'}; 0 = any "
+        "free port)",
+    )
+    group.add_argument(
+        "--api-key-file",
+        metavar="PATH",
+        default=None,
+        help="file holding the API key HTTP clients must send as 'Authorization: Bearer KEY' "
+        "(env PDXFER_API_KEY gives the key itself; not the control-plane token)",
+    )
+    group.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model name clients send (default: the preset, or the checkpoint "
+        "directory's name)",
+    )
+    group.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="longest prompt + max_tokens accepted (default: the config's max_position_embeddings)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -16,6 +16,7 @@ from transfer.control.types import (
     HandshakeReply,
     HandshakeRequest,
     PrefillRequest,
+    SamplingParams,
     Ticket,
     TokenEvent,
     validate_id,
@@ -33,6 +34,7 @@ def ticket_to_pb(t: Ticket) -> transfer_pb2.Ticket:
         num_tokens=t.num_tokens,
         first_token=t.first_token,
         lease_deadline=t.lease_deadline,
+        first_logprob=t.first_logprob,
     )
 
 
@@ -56,6 +58,7 @@ def ticket_from_pb(m: transfer_pb2.Ticket, prefix: str = "") -> Ticket:
         first_token=m.first_token,
         lease_deadline=m.lease_deadline,
         address=m.address,
+        first_logprob=m.first_logprob,
     )
 
 
@@ -92,34 +95,61 @@ def handshake_reply_from_pb(m: transfer_pb2.HandshakeReply) -> HandshakeReply:
     )
 
 
+def sampling_to_pb(s: SamplingParams) -> worker_pb2.Sampling:
+    return worker_pb2.Sampling(temperature=s.temperature, top_p=s.top_p, seed=s.seed)
+
+
+def sampling_from_pb(m: worker_pb2.Sampling) -> SamplingParams:
+    """Unset fields are the defaults: temperature 0 (greedy), top_p 1, no seed."""
+    return SamplingParams(
+        temperature=m.temperature,
+        top_p=m.top_p or 1.0,
+        seed=m.seed if m.HasField("seed") else None,
+    )
+
+
 def prefill_request_to_pb(r: PrefillRequest) -> worker_pb2.PrefillRequest:
     return worker_pb2.PrefillRequest(
-        request_id=r.request_id, prompt_ids=list(r.prompt_ids), max_tokens=r.max_tokens
+        request_id=r.request_id,
+        prompt_ids=list(r.prompt_ids),
+        max_tokens=r.max_tokens,
+        sampling=sampling_to_pb(r.sampling),
     )
 
 
 def prefill_request_from_pb(m: worker_pb2.PrefillRequest) -> PrefillRequest:
     _check_prompt(m.request_id, m.prompt_ids, m.max_tokens)
     return PrefillRequest(
-        request_id=m.request_id, prompt_ids=tuple(m.prompt_ids), max_tokens=m.max_tokens
+        request_id=m.request_id,
+        prompt_ids=tuple(m.prompt_ids),
+        max_tokens=m.max_tokens,
+        sampling=sampling_from_pb(m.sampling),
     )
 
 
 def generate_request_to_pb(r: GenerateRequest) -> worker_pb2.GenerateRequest:
     return worker_pb2.GenerateRequest(
-        request_id=r.request_id, prompt_ids=list(r.prompt_ids), max_tokens=r.max_tokens
+        request_id=r.request_id,
+        prompt_ids=list(r.prompt_ids),
+        max_tokens=r.max_tokens,
+        sampling=sampling_to_pb(r.sampling),
     )
 
 
 def generate_request_from_pb(m: worker_pb2.GenerateRequest) -> GenerateRequest:
     _check_prompt(m.request_id, m.prompt_ids, m.max_tokens)
     return GenerateRequest(
-        request_id=m.request_id, prompt_ids=tuple(m.prompt_ids), max_tokens=m.max_tokens
+        request_id=m.request_id,
+        prompt_ids=tuple(m.prompt_ids),
+        max_tokens=m.max_tokens,
+        sampling=sampling_from_pb(m.sampling),
     )
 
 
 def decode_request_to_pb(r: DecodeRequest) -> worker_pb2.DecodeRequest:
-    return worker_pb2.DecodeRequest(ticket=ticket_to_pb(r.ticket), max_tokens=r.max_tokens)
+    return worker_pb2.DecodeRequest(
+        ticket=ticket_to_pb(r.ticket), max_tokens=r.max_tokens, sampling=sampling_to_pb(r.sampling)
+    )
 
 
 def decode_request_from_pb(m: worker_pb2.DecodeRequest) -> DecodeRequest:
@@ -127,7 +157,11 @@ def decode_request_from_pb(m: worker_pb2.DecodeRequest) -> DecodeRequest:
         raise InvalidInput("ticket: required")
     if m.max_tokens < 1:
         raise InvalidInput(f"max_tokens: must be >= 1, got {m.max_tokens}")
-    return DecodeRequest(ticket=ticket_from_pb(m.ticket, prefix="ticket."), max_tokens=m.max_tokens)
+    return DecodeRequest(
+        ticket=ticket_from_pb(m.ticket, prefix="ticket."),
+        max_tokens=m.max_tokens,
+        sampling=sampling_from_pb(m.sampling),
+    )
 
 
 def token_event_to_pb(e: TokenEvent) -> worker_pb2.TokenEvent:
@@ -141,6 +175,7 @@ def token_event_to_pb(e: TokenEvent) -> worker_pb2.TokenEvent:
         kv_bytes=e.kv_bytes,
         state_bytes=e.state_bytes,
         descriptors=e.descriptors,
+        logprob=e.logprob,
     )
 
 
@@ -155,6 +190,7 @@ def token_event_from_pb(m: worker_pb2.TokenEvent) -> TokenEvent:
         kv_bytes=m.kv_bytes,
         state_bytes=m.state_bytes,
         descriptors=m.descriptors,
+        logprob=m.logprob,
     )
 
 

@@ -106,6 +106,7 @@ class TicketStore:
         first_token: int,
         *,
         lease_s: float | None = None,
+        first_logprob: float = 0.0,
     ) -> Ticket:
         """Publish a finished prefill. Raises `InvalidInput` naming the field; a rejected call changes nothing."""
         block_ids = tuple(int(b) for b in block_ids)
@@ -129,6 +130,7 @@ class TicketStore:
                 first_token=first_token,
                 lease_deadline=self._clock() + lease_s,
                 address=self.address,
+                first_logprob=first_logprob,
             )
             live = _Live(ticket, holder="", seq=-1)
             self._live[request_id] = live

@@ -70,6 +70,7 @@ class Ticket:
     first_token: int
     lease_deadline: float
     address: str = ""
+    first_logprob: float = 0.0  # the first token's log-probability under the model
 
 
 @dataclass(frozen=True)
@@ -90,17 +91,53 @@ class HandshakeReply:
     rank_layouts: tuple[bytes, ...] = ()
 
 
+MAX_SEED = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How a request's tokens are picked. Temperature 0 is greedy; otherwise softmax of
+    logits / temperature, cut to the smallest set of tokens whose probability reaches
+    `top_p`, drawn with a generator seeded from (seed, token index). The router fills a
+    missing seed, so prefill and decode draw from one stream."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        t, p = self.temperature, self.top_p
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise InvalidInput(f"sampling.temperature: must be a finite number >= 0, got {t!r}")
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
+            raise InvalidInput(f"sampling.top_p: must be in (0, 1], got {p!r}")
+        seed = self.seed
+        if seed is not None and (
+            isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED
+        ):
+            raise InvalidInput(f"sampling.seed: must be an int in [0, 2**64), got {seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+GREEDY = SamplingParams()
+
+
 @dataclass(frozen=True)
 class PrefillRequest:
     request_id: str
     prompt_ids: tuple[int, ...]
     max_tokens: int
+    sampling: SamplingParams = GREEDY
 
 
 @dataclass(frozen=True)
 class DecodeRequest:
     ticket: Ticket
     max_tokens: int
+    sampling: SamplingParams = GREEDY
 
 
 @dataclass(frozen=True)
@@ -108,6 +145,7 @@ class GenerateRequest:
     request_id: str
     prompt_ids: tuple[int, ...]
     max_tokens: int
+    sampling: SamplingParams = GREEDY
 
 
 @dataclass(frozen=True)
@@ -123,6 +161,7 @@ class TokenEvent:
     kv_bytes: int = 0
     state_bytes: int = 0
     descriptors: int = 0
+    logprob: float = 0.0  # the token's log-probability under the model (before sampling)
 
 
 def make_compat(

@@ -16,6 +16,7 @@ from transfer.model.caches import CacheAccess
 from transfer.model.distributed import TPGroup
 from transfer.model.layers.common import Step
 from transfer.model.loader import RankModel, model_for_geometry
+from transfer.model.sampling import GREEDY, Pick, Sampler, choose, logprob_of
 from transfer.model.slots import SlotPhase, SlotTable
 
 
@@ -130,6 +131,30 @@ class RankEngine:
         """As `decode_step_logits`, returning the greedy next token."""
         return self._greedy(self.decode_step_logits(token, position, block_ids, slot))
 
+    def prefill_pick(
+        self,
+        prompt_ids: Sequence[int],
+        block_ids: Sequence[int],
+        slot: int,
+        sampler: Sampler = GREEDY,
+    ) -> Pick:
+        """As `prefill`, picking token 0 of the stream with `sampler`, with its logprob."""
+        return self._pick(self.prefill_logits(prompt_ids, block_ids, slot), sampler, 0)
+
+    def decode_step_pick(
+        self,
+        token: int,
+        position: int,
+        block_ids: Sequence[int],
+        slot: int,
+        sampler: Sampler = GREEDY,
+        index: int = 0,
+    ) -> Pick:
+        """As `decode_step`, picking token `index` of the request's stream (0 is the one
+        prefill picked) with `sampler`, with its logprob."""
+        logits = self.decode_step_logits(token, position, block_ids, slot)
+        return self._pick(logits, sampler, index)
+
     def decode(
         self,
         first_token: int,
@@ -164,6 +189,14 @@ class RankEngine:
     def _greedy(self, logits: torch.Tensor) -> int:
         token = logits.argmax().reshape(1)
         return int(self.tp.broadcast_(token, src=0).item())
+
+    def _pick(self, logits: torch.Tensor, sampler: Sampler, index: int) -> Pick:
+        """Rank 0's choice and its logprob, the same on every rank. A greedy token is the
+        argmax `_greedy` takes, bit for bit."""
+        token = choose(logits, sampler, index)
+        pair = torch.tensor([token, logprob_of(logits, token)], dtype=torch.float64)
+        pair = self.tp.broadcast_(pair.to(self.device), src=0).cpu()
+        return Pick(int(pair[0].item()), float(pair[1].item()))
 
     def _check_tokens(self, token_ids: Sequence[int], field: str) -> None:
         vocab = self.geometry.vocab_size

@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 from transfer.errors import InvalidInput
 from transfer.geometry import LayerKind
 from transfer.model.qwen_config import QwenConfig, qwen_config
+from transfer.model.tiny_tokenizer import write_tiny_tokenizer
 from transfer.model.weights import WeightSource
 from transfer.presets import TINY_HF_CONFIGS, from_hf_dict
 
@@ -107,13 +108,15 @@ def tiny_tensors(config: dict, seed: int = 0) -> dict[str, torch.Tensor]:
 
 
 def write_tiny_checkpoint(name: str, directory: str | Path, seed: int = 0) -> Path:
-    """Write preset `name`'s config.json and seeded model.safetensors into `directory`."""
+    """Write preset `name`'s config.json, seeded model.safetensors and a small tokenizer
+    (tokenizer.json, tokenizer_config.json with a ChatML template) into `directory`."""
     if name not in TINY_HF_CONFIGS:
         raise InvalidInput(f"model: {name!r} is not a tiny real-architecture preset; choose from "
                            f"{', '.join(TINY_HF_CONFIGS)}")  # fmt: skip
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    config = TINY_HF_CONFIGS[name]
+    config = dict(TINY_HF_CONFIGS[name])
     save_file(tiny_tensors(config, seed), directory / "model.safetensors", {"format": "pt"})
+    config["eos_token_id"] = list(write_tiny_tokenizer(directory, config["vocab_size"]))
     (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return directory

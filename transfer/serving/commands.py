@@ -7,6 +7,7 @@ import enum
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from transfer.control.types import GREEDY, SamplingParams
 from transfer.serving.rank_protocol import RankCommand
 from transfer.serving.spec import RankReads
 
@@ -20,6 +21,14 @@ class RankInfo:
 
     metadata: bytes  # transport metadata
     layout: bytes  # the rank's Layout as JSON
+
+
+@dataclass(frozen=True)
+class TokenPick:
+    """The token the ranks picked (rank 0's choice, on every rank) and its logprob."""
+
+    token: int
+    logprob: float
 
 
 class TransferState(enum.Enum):
@@ -57,15 +66,17 @@ class AddPeers(RankCommand[None]):
 
 
 @dataclass(frozen=True)
-class Prefill(RankCommand[int]):
-    """Run the prompt into `block_ids`/`slot`; answers the first generated token."""
+class Prefill(RankCommand[TokenPick]):
+    """Run the prompt into `block_ids`/`slot`; answers the first generated token (token 0
+    of the `sampling` stream)."""
 
     prompt_ids: tuple[int, ...]
     block_ids: tuple[int, ...]
     slot: int
+    sampling: SamplingParams = GREEDY
 
-    def apply(self, worker: RankWorker) -> int:
-        return worker.prefill(list(self.prompt_ids), list(self.block_ids), self.slot)
+    def apply(self, worker: RankWorker) -> TokenPick:
+        return worker.prefill(list(self.prompt_ids), list(self.block_ids), self.slot, self.sampling)
 
 
 @dataclass(frozen=True)
@@ -143,11 +154,18 @@ class TransferSettled(RankCommand[bool]):
 
 
 @dataclass(frozen=True)
-class DecodeStep(RankCommand[int]):
+class DecodeStep(RankCommand[TokenPick]):
+    """Feed `token` at `position`; answers the next token, token `index` of the
+    `sampling` stream (0 is the one prefill picked)."""
+
     token: int
     position: int
     block_ids: tuple[int, ...]
     slot: int
+    sampling: SamplingParams = GREEDY
+    index: int = 1
 
-    def apply(self, worker: RankWorker) -> int:
-        return worker.decode_step(self.token, self.position, list(self.block_ids), self.slot)
+    def apply(self, worker: RankWorker) -> TokenPick:
+        return worker.decode_step(
+            self.token, self.position, list(self.block_ids), self.slot, self.sampling, self.index
+        )

@@ -201,12 +201,21 @@ class DecodeWorker:
                 kv_bytes=reads.kv_bytes,
                 state_bytes=reads.state_bytes,
                 descriptors=reads.descriptors,
+                logprob=ticket.first_logprob,
             )
             token = ticket.first_token
             for index in range(1, request.max_tokens):
                 position = ticket.num_tokens + index - 1
-                token = ranks.call(DecodeStep(token, position, blocks, slot))[0]
-                yield TokenEvent(rid, token, index, finished=index == request.max_tokens - 1)
+                step = DecodeStep(token, position, blocks, slot, request.sampling, index)
+                pick = ranks.call(step)[0]
+                token = pick.token
+                yield TokenEvent(
+                    rid,
+                    token,
+                    index,
+                    finished=index == request.max_tokens - 1,
+                    logprob=pick.logprob,
+                )
         finally:
             if not released:
                 self._abort(peer, rid, f"decode {self.instance_id} dropped the request")

@@ -35,8 +35,6 @@ BUILD_RANK_WORKER = "transfer.serving.rank_worker:build_rank_worker"
 class InstanceConfig:
     role: str  # "prefill" | "decode"
     geometry: ModelGeometry
-    model: str = ""  # a preset name or a checkpoint directory; "" = geometry.name
-    ssm_dtype: str = "auto"  # the recurrent state's dtype; auto = the config's, else the model's
     tp: int = 1
     transport: str = "nixl"
     device: str = "cpu"
@@ -50,6 +48,8 @@ class InstanceConfig:
     dist_addr: str | None = None
     net_device: str | None = None  # UCX_NET_DEVICES for the data plane
     agent_prefix: str = ""
+    model: str = ""  # a preset name or a checkpoint directory; "" = geometry.name
+    ssm_dtype: str = "auto"  # the recurrent state's dtype; auto = the config's, else the model's
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):

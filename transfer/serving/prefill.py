@@ -19,7 +19,7 @@ from transfer.control.types import (
     compat_hash,
 )
 from transfer.errors import InvalidInput
-from transfer.serving.commands import Prefill, Release, Snapshot
+from transfer.serving.commands import Prefill, Release, Snapshot, TokenPick
 from transfer.serving.instance import Instance
 from transfer.serving.rank_protocol import RankCommandError, RankGroupDead
 
@@ -74,10 +74,13 @@ class PrefillWorker:
         blocks, slot = tuple(cache.block_ids), cache.slot_ids[0]
         ranks = self.instance.ranks
         try:
-            first = _same(ranks.call(Prefill(tuple(request.prompt_ids), blocks, slot)))
+            command = Prefill(tuple(request.prompt_ids), blocks, slot, request.sampling)
+            first = _same(ranks.call(command))
             if self.instance.config.dump_dir:
                 ranks.call(Snapshot(rid, "prefill", blocks, slot, num_tokens))
-            return self.store.publish(rid, list(blocks), slot, num_tokens, first)
+            return self.store.publish(
+                rid, list(blocks), slot, num_tokens, first.token, first_logprob=first.logprob
+            )
         except BaseException:
             self._free(rid, slot)
             raise
@@ -98,7 +101,7 @@ class PrefillWorker:
         self.store.stop()
 
 
-def _same(results: list[int]) -> int:
+def _same(results: list[TokenPick]) -> TokenPick:
     """The token every rank agreed on (they broadcast rank 0's choice)."""
     if any(r != results[0] for r in results):
         raise RuntimeError(f"prefill: ranks disagree on the first token: {results}")

@@ -24,11 +24,13 @@ import torch
 
 from transfer.cache.arena import Arena
 from transfer.cache.layout import Layout
+from transfer.control.types import SamplingParams
 from transfer.dataplane import Op, RangeBatch, make_transport, wait
 from transfer.model.caches import ArenaCaches
 from transfer.model.loader import load_model
 from transfer.model.runner import RankEngine
-from transfer.serving.commands import RankInfo, TransferState, TransferStatus
+from transfer.model.sampling import Sampler
+from transfer.serving.commands import RankInfo, TokenPick, TransferState, TransferStatus
 from transfer.serving.spec import WARMUP_BYTES, RankReads, RankSpec
 from transfer.serving.verify import save_snapshot, snapshot_request
 
@@ -99,8 +101,11 @@ class RankWorker:
 
     # -- prefill side ---------------------------------------------------------------------
 
-    def prefill(self, prompt_ids: list[int], block_ids: list[int], slot: int) -> int:
-        return self.engine.prefill(prompt_ids, block_ids, slot)
+    def prefill(
+        self, prompt_ids: list[int], block_ids: list[int], slot: int, sampling: SamplingParams
+    ) -> TokenPick:
+        pick = self.engine.prefill_pick(prompt_ids, block_ids, slot, _sampler(sampling))
+        return TokenPick(pick.token, pick.logprob)
 
     def snapshot(
         self, request_id: str, side: str, block_ids: list[int], slot: int, num_tokens: int
@@ -200,8 +205,18 @@ class RankWorker:
                 self.transport.release(handle)
         transfer.handles.clear()
 
-    def decode_step(self, token: int, position: int, block_ids: list[int], slot: int) -> int:
-        return self.engine.decode_step(token, position, block_ids, slot)
+    def decode_step(
+        self,
+        token: int,
+        position: int,
+        block_ids: list[int],
+        slot: int,
+        sampling: SamplingParams,
+        index: int,
+    ) -> TokenPick:
+        sampler = _sampler(sampling)
+        pick = self.engine.decode_step_pick(token, position, block_ids, slot, sampler, index)
+        return TokenPick(pick.token, pick.logprob)
 
     def _transfer(self, request_id: str) -> _Transfer:
         try:
@@ -214,3 +229,7 @@ class RankWorker:
             self.transfer_end(request_id)
         self.unsettled.clear()  # closing the transport ends whatever still moves
         self.transport.close()
+
+
+def _sampler(sampling: SamplingParams) -> Sampler:
+    return Sampler(sampling.temperature, sampling.top_p, sampling.seed or 0)

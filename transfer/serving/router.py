@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import secrets
 import socket
 import threading
 import time
@@ -20,7 +21,13 @@ from prometheus_client import CollectorRegistry, Counter
 
 from transfer.control.client import ClientOptions, DecodeClient, PrefillClient, TransferClient
 from transfer.control.errors import ControlError
-from transfer.control.types import DecodeRequest, GenerateRequest, PrefillRequest, TokenEvent
+from transfer.control.types import (
+    DecodeRequest,
+    GenerateRequest,
+    PrefillRequest,
+    SamplingParams,
+    TokenEvent,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +35,7 @@ RETRY_CODES = frozenset(
     {"UNAVAILABLE", "DEADLINE_EXCEEDED", "INTERNAL", "UNKNOWN", "RESOURCE_EXHAUSTED", "ABORTED"}
 )
 UNSPECIFIED_HOSTS = frozenset({"", "0.0.0.0", "::", "[::]"})
+HEALTH_TIMEOUT_S = 2.0
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -136,6 +144,11 @@ class Router:
         self._decode = _Pool(decode, lambda t, a: DecodeClient(t, **self._kwargs(a)))
         self._transfer_lock = threading.Lock()
         self._transfer_clients: dict[str, TransferClient] = {}
+        health = {"timeout_s": HEALTH_TIMEOUT_S}
+        self._health = (
+            _Pool(prefill, lambda t, a: TransferClient(t, **self._kwargs(a, **health))),
+            _Pool(decode, lambda t, a: DecodeClient(t, **self._kwargs(a, **health))),
+        )
 
     def _kwargs(self, original: str, timeout_s: float | None = None) -> dict:
         tls = self.options.tls
@@ -151,11 +164,15 @@ class Router:
         status = "failed"
         ticket = None
         first = True
+        if request.sampling.seed is None and not request.sampling.greedy:
+            # One seed for both sides, so the request's tokens are one stream.
+            seeded = replace(request.sampling, seed=secrets.randbits(63))
+            request = replace(request, sampling=seeded)
         try:
             ticket, prefill_at = self._run_prefill(request)
             if ticket.address.rpartition(":")[0] in UNSPECIFIED_HOSTS:
                 ticket = replace(ticket, address=prefill_at)
-            for event in self._run_decode(ticket, request.max_tokens):
+            for event in self._run_decode(ticket, request.max_tokens, request.sampling):
                 if first:
                     event = replace(event, ttft_ms=(time.perf_counter() - start) * 1e3)
                     first = False
@@ -167,8 +184,14 @@ class Router:
                 # Nothing reached the caller: free the prefill cache now, not at lease end.
                 self._abort(ticket.address, ticket.request_id, "router dropped the request")
 
+    def is_ready(self) -> bool:
+        """Whether at least one prefill and one decode instance answer health SERVING."""
+        return all(_any_serving(pool) for pool in self._health)
+
     def _run_prefill(self, request: GenerateRequest):
-        prefill = PrefillRequest(request.request_id, request.prompt_ids, request.max_tokens)
+        prefill = PrefillRequest(
+            request.request_id, request.prompt_ids, request.max_tokens, request.sampling
+        )
         errors = []
         for target, client in self._prefill.order():
             try:
@@ -188,12 +211,14 @@ class Router:
                 self._abort(target, request.request_id, "prefill retried elsewhere")
         raise ControlError("UNAVAILABLE", "every prefill instance failed: " + "; ".join(errors))
 
-    def _run_decode(self, ticket, max_tokens: int) -> Iterator[TokenEvent]:
+    def _run_decode(
+        self, ticket, max_tokens: int, sampling: SamplingParams
+    ) -> Iterator[TokenEvent]:
         targets = self._decode.order()
         if not targets:
             raise ControlError("UNAVAILABLE", "no decode instance resolved")
         _, client = targets[0]
-        yield from client.decode(DecodeRequest(ticket, max_tokens))
+        yield from client.decode(DecodeRequest(ticket, max_tokens, sampling))
 
     def _abort(self, address: str, request_id: str, reason: str) -> None:
         """Best effort: a dead prefill instance has freed everything anyway."""
@@ -210,7 +235,19 @@ class Router:
     def close(self) -> None:
         self._prefill.close()
         self._decode.close()
+        for pool in self._health:
+            pool.close()
         with self._transfer_lock:
             for client in self._transfer_clients.values():
                 client.close()
             self._transfer_clients.clear()
+
+
+def _any_serving(pool: _Pool) -> bool:
+    for _, client in pool.order():
+        try:
+            if client.health() == "SERVING":
+                return True
+        except ControlError:
+            continue
+    return False

@@ -12,12 +12,14 @@ import argparse
 import fcntl
 import ipaddress
 import logging
+import os
 import signal
 import socket
 import struct
 import sys
 import threading
 import time
+from pathlib import Path
 
 from transfer.control.auth import TlsConfig, load_token
 from transfer.control.client import ClientOptions
@@ -138,16 +140,60 @@ def _serve_router(args, token, server_tls, client_tls, stop: threading.Event) ->
         max_workers=_threads(args),
     )
     metrics_server = _metrics(args, metrics)
+    try:
+        http = _http_front(args, router, metrics) if args.http_port is not None else None
+    except BaseException:
+        server.stop(grace=0)
+        router.close()
+        if metrics_server:
+            metrics_server.stop()
+        raise
     _announce("router", server, metrics_server)
     try:
         stop.wait()
     finally:
         server.set_serving(False)
+        if http is not None:
+            http.stop()
         server.stop(grace=2.0)
         router.close()
         if metrics_server:
             metrics_server.stop()
     return 0
+
+
+def api_key(args: argparse.Namespace) -> str | None:
+    """The HTTP API key: --api-key-file, else PDXFER_API_KEY, else none (no auth)."""
+    if args.api_key_file:
+        key = Path(args.api_key_file).read_text().strip()
+        if not key:
+            raise ValueError(f"--api-key-file {args.api_key_file}: the file is empty")
+        return key
+    return os.environ.get("PDXFER_API_KEY", "").strip() or None
+
+
+def _http_front(args, router: Router, metrics: RouterMetrics):
+    """The OpenAI-compatible HTTP server over `router`; its /metrics is the router's."""
+    from transfer.serving.openai.app import build_app
+    from transfer.serving.openai.engine import RouterEngine
+    from transfer.serving.openai.http_server import HttpServer
+    from transfer.serving.openai.served import load_served_model
+
+    model = load_served_model(
+        args.model, name=args.served_model_name, max_model_len=args.max_model_len
+    )
+    key = api_key(args)
+    app = build_app(RouterEngine(router), model, api_key=key, registry=metrics.registry)
+    http = HttpServer(app, args.host, args.http_port)
+    logger.info(
+        "OpenAI API on http://%s/v1: model %r, context %d tokens, %s, %s",
+        join_address(args.host, http.port),
+        model.name,
+        model.max_model_len,
+        "text and token ids" if model.codec else "token ids only (no tokenizer.json)",
+        "API key required" if key else "no API key",
+    )
+    return http
 
 
 def instance_config(args: argparse.Namespace):

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Ticket(_message.Message):
-    __slots__ = ("request_id", "instance_id", "address", "block_ids", "slot_id", "num_tokens", "first_token", "lease_deadline")
+    __slots__ = ("request_id", "instance_id", "address", "block_ids", "slot_id", "num_tokens", "first_token", "lease_deadline", "first_logprob")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class Ticket(_message.Message):
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     LEASE_DEADLINE_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     instance_id: str
     address: str
@@ -24,7 +25,8 @@ class Ticket(_message.Message):
     num_tokens: int
     first_token: int
     lease_deadline: float
-    def __init__(self, request_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., slot_id: _Optional[int] = ..., num_tokens: _Optional[int] = ..., first_token: _Optional[int] = ..., lease_deadline: _Optional[float] = ...) -> None: ...
+    first_logprob: float
+    def __init__(self, request_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., slot_id: _Optional[int] = ..., num_tokens: _Optional[int] = ..., first_token: _Optional[int] = ..., lease_deadline: _Optional[float] = ..., first_logprob: _Optional[float] = ...) -> None: ...
 
 class HandshakeRequest(_message.Message):
     __slots__ = ("instance_id", "compat", "compat_hash")

@@ -111,13 +111,21 @@ class Handler:
             raise bad(param, "is empty")
         return ids
 
+    def token_text(self, token: int) -> str:
+        """A token as the tokenizer spells it (its id when there is no tokenizer)."""
+        codec = self.model.codec
+        text = codec.tokenizer.id_to_token(token) if codec is not None else None
+        return text if text is not None else str(token)
+
     def check_length(self, ids: list[int], sampling: Sampling, param: str) -> None:
         limit = self.model.max_model_len
         if len(ids) + sampling.max_tokens > limit:
-            raise bad(
-                param,
-                f"{len(ids)} prompt tokens + max_tokens {sampling.max_tokens} exceed the "
-                f"model's context of {limit} tokens",
+            raise ApiError(
+                400,
+                f"{param}: {len(ids)} prompt tokens + max_tokens {sampling.max_tokens} exceed "
+                f"the model's context of {limit} tokens",
+                param=param,
+                code="context_length_exceeded",
             )
 
     async def run(self, ids: list[int], sampling: Sampling, emit: Callable | None) -> Outcome:
@@ -142,7 +150,9 @@ class Handler:
                 if event.logprob is not None:
                     out.logprobs.append(event.logprob)
                 delta = text.push(event.token) if text is not None else ""
-                if emit is not None:
+                # A token whose text is held back (a partial character or stop string) is
+                # sent only when the client sees tokens: no tokenizer, or logprobs.
+                if emit is not None and (delta or text is None or sampling.logprobs is not None):
                     await emit(delta, event.token, event.logprob)
                 if text is not None and text.stopped:
                     out.finish_reason = "stop"
@@ -205,7 +215,7 @@ def build_app(
         try:
             return await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
-            raise ApiError(400, "the request body is not valid JSON") from None
+            raise ApiError(400, "the request body is not valid JSON", code="invalid_json") from None
 
     def check_model(name: str) -> None:
         if name != model.name:
@@ -243,7 +253,10 @@ def build_app(
         def chunk(index: int, text: str, finish: str | None, logprob=None, token=None) -> dict:
             choice = {"index": index, "text": text, "finish_reason": finish, "logprobs": None}
             if body.sampling.logprobs is not None and token is not None:
-                choice["logprobs"] = {"tokens": [str(token)], "token_logprobs": [logprob]}
+                choice["logprobs"] = {
+                    "tokens": [handler.token_text(token)],
+                    "token_logprobs": [logprob],
+                }
             return {"id": cid, "object": "text_completion", "created": created,
                     "model": model.name, "choices": [choice]}  # fmt: skip
 
@@ -274,7 +287,7 @@ def build_app(
                       "logprobs": None, "token_ids": out.ids}  # fmt: skip
             if body.sampling.logprobs is not None:
                 choice["logprobs"] = {
-                    "tokens": [str(t) for t in out.ids],
+                    "tokens": [handler.token_text(t) for t in out.ids],
                     "token_logprobs": out.logprobs,
                 }
             choices.append(choice)
@@ -298,7 +311,9 @@ def build_app(
         def chunk(delta: dict, finish: str | None, logprob=None, token=None) -> dict:
             choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
             if body.sampling.logprobs is not None and token is not None:
-                choice["logprobs"] = {"content": [{"token": str(token), "logprob": logprob}]}
+                choice["logprobs"] = {
+                    "content": [{"token": handler.token_text(token), "logprob": logprob}]
+                }
             return {"id": cid, "object": "chat.completion.chunk", "created": created,
                     "model": model.name, "choices": [choice]}  # fmt: skip
 
@@ -325,7 +340,7 @@ def build_app(
         if body.sampling.logprobs is not None:
             choice["logprobs"] = {
                 "content": [
-                    {"token": str(t), "logprob": lp}
+                    {"token": handler.token_text(t), "logprob": lp}
                     for t, lp in zip(out.ids, out.logprobs, strict=False)
                 ]
             }

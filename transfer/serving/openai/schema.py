@@ -100,14 +100,18 @@ def _stop(body: dict) -> tuple[str, ...]:
 def _common(body: dict, *, default_max_tokens: int) -> tuple[Sampling, bool, bool]:
     n = body.get("n", 1)
     if n != 1:
-        raise bad("n", f"only n=1 is supported, got {n!r}")
+        raise ApiError(
+            400, f"n: only n=1 is supported, got {n!r}", param="n", code="unsupported_parameter"
+        )
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if max_tokens is None:
         max_tokens = default_max_tokens
     max_tokens = _number({"max_tokens": max_tokens}, "max_tokens", 16, 1, 1 << 20, int)
     seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise bad("seed", f"must be an integer, got {seed!r}")
+    if seed is not None and (
+        isinstance(seed, bool) or not isinstance(seed, int) or not -(1 << 63) <= seed < 1 << 64
+    ):
+        raise bad("seed", f"must be an integer in [-2**63, 2**64), got {seed!r}")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise bad("stream", f"must be true or false, got {stream!r}")

@@ -1,0 +1,187 @@
+"""`pdxfer up`: a router with the OpenAI HTTP API, prefill and decode instances on this
+machine, serving until Ctrl-C or SIGTERM; then every process is stopped."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+from transfer.cli.model_args import add_served_model_arguments
+from transfer.cli.serve import add_http_arguments
+from transfer.errors import InvalidInput
+
+WATCH_INTERVAL_S = 0.5
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "up",
+        help="serve the OpenAI API from a local router, prefill and decode instances",
+        description="Start prefill and decode instances (each with its own TP) and a router "
+        "with the OpenAI-compatible HTTP API on this machine, print the URL, and serve until "
+        "Ctrl-C or SIGTERM; then stop everything, leaving no process.",
+    )
+    add_served_model_arguments(parser, default_model="tiny-qwen3-next")
+    parser.add_argument("--prefill-instances", type=int, default=1, help="(default 1)")
+    parser.add_argument("--decode-instances", type=int, default=1, help="(default 1)")
+    parser.add_argument("--prefill-tp", type=int, default=1, help="TP of each prefill (default 1)")
+    parser.add_argument("--decode-tp", type=int, default=1, help="TP of each decode (default 1)")
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    parser.add_argument(
+        "--transport", choices=["nixl", "ucx"], default="nixl", help="data plane (default nixl)"
+    )
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="(default cpu)")
+    parser.add_argument(
+        "--gpu-mem", default="256MiB", help="cache memory per rank (default 256MiB)"
+    )
+    parser.add_argument(
+        "--max-seqs", type=int, default=16, help="live requests per instance (default 16)"
+    )
+    parser.add_argument("--block-size", type=int, default=16, help="min KV block size (default 16)")
+    parser.add_argument("--seed", type=int, default=0, help="weight seed of a preset (default 0)")
+    parser.add_argument(
+        "--timeout", type=float, default=300.0, help="seconds to wait for start-up (default 300)"
+    )
+    http = parser.add_argument_group("HTTP")
+    add_http_arguments(http, default_port=8000)
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from transfer.presets import looks_like_path
+    from transfer.serving.procs import (
+        LAUNCH_ID_ENV,
+        check_health,
+        start_serve,
+        stop_all,
+        wait_ready,
+    )
+
+    for flag in ("prefill_instances", "decode_instances", "prefill_tp", "decode_tp", "max_seqs"):
+        if getattr(args, flag) < 1:
+            raise InvalidInput(f"--{flag.replace('_', '-')} must be >= 1")
+    if looks_like_path(args.model):  # the children resolve it from their own directory
+        args.model = str(Path(args.model).resolve())
+    context = _context_held(args)
+    if args.max_model_len is not None:
+        context = min(context, args.max_model_len)
+    http_port = args.http_port or _free_port(args.host)
+    run_dir = Path(tempfile.mkdtemp(prefix="pdxfer-up-"))
+    env = {
+        LAUNCH_ID_ENV: os.environ.get(LAUNCH_ID_ENV) or uuid.uuid4().hex,
+        "PDXFER_AUTH_TOKEN": uuid.uuid4().hex,  # the control plane's, not the API key
+    }
+    common = [
+        "--host", args.host, "--port", "0", "--model", args.model, "--ssm-dtype", args.ssm_dtype,
+        "--transport", args.transport, "--gpu-mem", args.gpu_mem, "--device", args.device,
+        "--max-seqs", str(args.max_seqs), "--block-size", str(args.block_size),
+        "--seed", str(args.seed),
+    ]  # fmt: skip
+    procs, keep = [], False
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        _say(f"starting {args.prefill_instances} prefill (tp {args.prefill_tp}) and "
+             f"{args.decode_instances} decode (tp {args.decode_tp}); logs in {run_dir}")  # fmt: skip
+        workers = []
+        for role, count, tp in (
+            ("prefill", args.prefill_instances, args.prefill_tp),
+            ("decode", args.decode_instances, args.decode_tp),
+        ):
+            for i in range(count):
+                name = f"{role}-{i}"
+                flags = [*common, "--tp", str(tp), "--instance-id", name,
+                         "--metrics-port", str(_free_port(args.host))]  # fmt: skip
+                workers.append(start_serve(role, flags, run_dir / name, env))
+        procs += workers
+        wait_ready(workers, args.timeout)
+        router_flags = [
+            "--host", args.host, "--port", "0", "--metrics-port", "0", "--model", args.model,
+            "--http-port", str(http_port), "--max-model-len", str(context),
+            *(["--served-model-name", args.served_model_name] if args.served_model_name else []),
+            *(["--api-key-file", args.api_key_file] if args.api_key_file else []),
+            *[f for w in workers for f in (f"--{w.role}", w.address)],
+        ]  # fmt: skip
+        procs.append(start_serve("router", router_flags, run_dir / "router", env))
+        wait_ready(procs[-1:], args.timeout)
+        check_health(procs, args.timeout)
+        _print_ready(args, workers, procs[-1], http_port)
+        _watch(procs)
+    except KeyboardInterrupt:
+        _say("stopping")
+    except RuntimeError as exc:  # a process that would not start or died: its log tail
+        keep = True
+        print(f"pdxfer up: error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        stop_all(procs)
+        if keep:
+            print(f"pdxfer up: logs kept in {run_dir}", file=sys.stderr)
+        else:
+            shutil.rmtree(run_dir, ignore_errors=True)
+    return 0
+
+
+def _context_held(args: argparse.Namespace) -> int:
+    """The longest request (prompt + max_tokens) every instance's memory plan holds."""
+    from transfer.presets import load_geometry
+    from transfer.serving.instance import InstanceConfig, plan_for
+    from transfer.units import parse_size
+
+    geometry = load_geometry(args.model)
+    budget = parse_size(args.gpu_mem, "--gpu-mem")
+    held = []
+    for role, tp in (("prefill", args.prefill_tp), ("decode", args.decode_tp)):
+        try:
+            config = InstanceConfig(
+                role, geometry, model=args.model, ssm_dtype=args.ssm_dtype, tp=tp,
+                budget_bytes=budget, max_seqs=args.max_seqs, min_block_size=args.block_size,
+            )  # fmt: skip
+            plan = plan_for(config)
+        except ValueError as exc:
+            raise InvalidInput(f"--{role}-tp {tp}: {exc}") from None
+        if geometry.attention_layers:
+            held.append(plan.num_kv_blocks * plan.block_size)
+    return min(held) if held else 1 << 30
+
+
+def _free_port(host: str) -> int:
+    from transfer.net import free_port
+
+    return free_port(host)
+
+
+def _print_ready(args, workers, router, http_port: int) -> None:
+    from transfer.serving.router import join_address
+
+    base = f"http://{join_address(args.host, http_port)}"
+    for proc in workers:
+        metrics = f"http://{join_address(args.host, proc.metrics_port)}/metrics"
+        print(f"{proc.role:8s} {proc.address}  metrics {metrics}", flush=True)
+    print(f"router   {router.address}", flush=True)
+    print(f"OpenAI API at {base}/v1 (health {base}/health); Ctrl-C to stop", flush=True)
+
+
+def _watch(procs) -> None:
+    """Serve until interrupted; RuntimeError when a process exits on its own."""
+    while True:
+        for proc in procs:
+            code = proc.popen.poll()
+            if code is not None:
+                raise RuntimeError(f"serve {proc.role} exited with code {code}:\n{proc.log_tail()}")
+        time.sleep(WATCH_INTERVAL_S)
+
+
+def _say(text: str) -> None:
+    print(f"pdxfer up: {text}", file=sys.stderr, flush=True)
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
