@@ -60,7 +60,7 @@ def test_gpus_match_tensor_parallel_ranks(objects):
             assert args.device == "cuda" and gpus * args.nnodes == args.tp, (
                 f"{line.label}: {gpus} GPU(s) x {args.nnodes} node(s) for --tp {args.tp}"
             )
-            load_geometry(args.model, args.hf_config).check_tp(args.tp)
+            load_geometry(args.model).check_tp(args.tp)
         elif args.command == "bench":
             geometry = load_geometry(args.model)
             for tp in (args.prefill_tp, args.decode_tp):
