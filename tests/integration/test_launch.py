@@ -26,7 +26,6 @@ pytestmark = pytest.mark.slow
 
 REQUESTS = 2
 MAX_TOKENS = 6
-FP32 = CacheDtypes(4, 4, 4)
 JSON_KEYS = {
     "requests", "verified", "failed", "transport", "prefill_tp", "decode_tp",
     "kv_bytes", "state_bytes", "descriptors", "ttft_ms", "transfer_ms",
@@ -60,13 +59,14 @@ def run_launch(args: list[str], timeout_s: float = 300) -> tuple[subprocess.Comp
 
 def expected_bytes(model: str, decode_tp: int, num_tokens: int) -> tuple[int, int]:
     """(KV, state) bytes all decode ranks must receive for one request: each rank exactly
-    the shard a TP=decode_tp engine holds."""
+    the shard a TP=decode_tp engine holds, in the cache dtypes of the model's config."""
     geometry = get_preset(model)
+    dtypes = CacheDtypes.for_model(geometry)
     kv = sum(
-        attention_kv_bytes_per_token(layer, decode_tp, FP32) for layer in geometry.attention_layers
+        attention_kv_bytes_per_token(layer, decode_tp, dtypes) for layer in geometry.attention_layers
     )
     state = sum(
-        linear_state_bytes(layer, decode_tp, FP32).total for layer in geometry.linear_layers
+        linear_state_bytes(layer, decode_tp, dtypes).total for layer in geometry.linear_layers
     )
     return kv * num_tokens * decode_tp, state * decode_tp
 
