@@ -1,7 +1,7 @@
 """Model presets (docs/reference.md) and geometry from a Hugging Face `config.json`.
 
-The real-architecture tiny presets (`TINY_HF_CONFIGS`) are config.json documents of the
-transformers classes; their geometry is read from that document like any checkpoint's.
+The tiny presets (`TINY_HF_CONFIGS`, in `transfer.tiny_presets`) are config.json documents
+of the transformers classes; their geometry is read from that document like any checkpoint's.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from transfer.geometry import (
     ModelGeometry,
     canonical_dtype,
 )
+from transfer.tiny_presets import TINY_HF_CONFIGS
 
 
 def _build(
@@ -77,107 +78,21 @@ def _nemotron_nano_12b() -> ModelGeometry:
     return _build("nemotron-nano-12b-v2", layers, 5120, 131072)
 
 
-def _qwen_tiny_common(layer_types: list[str]) -> dict[str, Any]:
-    return {
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "bos_token_id": None,
-        "dtype": "float32",
-        "eos_token_id": None,
-        "hidden_act": "silu",
-        "initializer_range": 0.02,
-        "layer_types": layer_types,
-        "linear_conv_kernel_dim": 4,
-        "max_position_embeddings": 4096,
-        "num_hidden_layers": len(layer_types),
-        "pad_token_id": None,
-        "rms_norm_eps": 1e-06,
-        "rope_parameters": {
-            "partial_rotary_factor": 0.25,
-            "rope_theta": 10000.0,
-            "rope_type": "default",
-        },
-        "tie_word_embeddings": False,
-        "transformers_version": "5.23.0",
-        "use_cache": True,
-    }
-
-
 _LINEAR, _FULL = "linear_attention", "full_attention"
-
-# Qwen3NextForCausalLM: the cache geometry of the earlier invented tiny model (GDN 4 k / 8 v
-# heads of 32, GQA 8 q / 2 kv heads of 64, attention every 4th of 8 layers, hidden 256);
-# MoE on odd layers (decoder_sparse_step 2), dense SwiGLU on even ones.
-TINY_QWEN3_NEXT = {
-    "architectures": ["Qwen3NextForCausalLM"],
-    "model_type": "qwen3_next",
-    **_qwen_tiny_common([_LINEAR, _LINEAR, _LINEAR, _FULL] * 2),
-    "decoder_sparse_step": 2,
-    "head_dim": 64,
-    "hidden_size": 256,
-    "intermediate_size": 512,
-    "linear_key_head_dim": 32,
-    "linear_num_key_heads": 4,
-    "linear_num_value_heads": 8,
-    "linear_value_head_dim": 32,
-    "mlp_only_layers": [],
-    "moe_intermediate_size": 128,
-    "norm_topk_prob": True,
-    "num_attention_heads": 8,
-    "num_experts": 4,
-    "num_experts_per_tok": 2,
-    "num_key_value_heads": 2,
-    "output_router_logits": False,
-    "router_aux_loss_coef": 0.001,
-    "shared_expert_intermediate_size": 128,
-    "vocab_size": 512,
-}
-
-# Qwen3_5ForCausalLM (flat GDN projections, dense MLP): one KV head, so at TP 2 both ranks
-# hold it (replicated), and 2 k / 4 v GDN heads split at TP 2.
-TINY_QWEN3_5 = {
-    "architectures": ["Qwen3_5ForCausalLM"],
-    "model_type": "qwen3_5_text",
-    **_qwen_tiny_common([_LINEAR, _LINEAR, _LINEAR, _FULL, _LINEAR, _FULL]),
-    "head_dim": 32,
-    "hidden_size": 128,
-    "intermediate_size": 256,
-    "linear_key_head_dim": 32,
-    "linear_num_key_heads": 2,
-    "linear_num_value_heads": 4,
-    "linear_value_head_dim": 32,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 1,
-    "vocab_size": 512,
-}
-
-TINY_HF_CONFIGS: dict[str, dict[str, Any]] = {
-    "tiny-qwen3-next": TINY_QWEN3_NEXT,
-    "tiny-qwen3.5": TINY_QWEN3_5,
-}
-
-
-def _tiny_kimi_linear() -> ModelGeometry:
-    kda = KDASpec(4, 32, 4)
-    mla = MLASpec(4, 64, 16, 32, 32)
-    return _build("tiny-kimi-linear", _one_based(8, (4, 8), mla, kda), 256, 512)
-
-
-def _tiny_nemotron_h() -> ModelGeometry:
-    mamba = Mamba2Spec(8, 32, 32, 2, 4)
-    gqa = GQASpec(8, 2, 64)
-    return _build("tiny-nemotron-h", _pattern("MMM*MMM*", mamba, gqa), 256, 512)
 
 
 PRESETS: dict[str, Callable[[], ModelGeometry]] = {
     "qwen3-next-80b-a3b": _qwen3_next_80b,
     "kimi-linear-48b-a3b": _kimi_linear_48b,
     "nemotron-nano-12b-v2": _nemotron_nano_12b,
-    "tiny-qwen3-next": lambda: from_hf_dict(TINY_QWEN3_NEXT, "tiny-qwen3-next"),
-    "tiny-qwen3.5": lambda: from_hf_dict(TINY_QWEN3_5, "tiny-qwen3.5"),
-    "tiny-kimi-linear": _tiny_kimi_linear,
-    "tiny-nemotron-h": _tiny_nemotron_h,
 }
+
+
+def _tiny(name: str) -> Callable[[], ModelGeometry]:
+    return lambda: from_hf_dict(TINY_HF_CONFIGS[name], name)
+
+
+PRESETS.update({name: _tiny(name) for name in TINY_HF_CONFIGS})
 
 
 def get_preset(name: str) -> ModelGeometry:

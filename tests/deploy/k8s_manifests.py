@@ -20,6 +20,8 @@ import pytest
 import yaml
 
 from transfer.cli import build_parser
+from transfer.geometry import ModelGeometry
+from transfer.presets import load_geometry
 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "deploy" / "k8s"
@@ -28,6 +30,17 @@ K8S = REPO / "deploy" / "k8s"
 # nothing here ever connects to it, the parser only sees the text.
 POD_IP = "192.0.2.10"
 NAMESPACE = "default"
+
+# Where the manifests mount the checkpoint volume, and the presets whose geometry equals
+# the checkpoints the ConfigMaps name there (the tests have no /models to read).
+MODELS = "/models"
+CHECKPOINTS = {
+    "Qwen3-Next-80B-A3B-Instruct": "qwen3-next-80b-a3b",
+    "Qwen3-Next-80B-A3B-Thinking": "qwen3-next-80b-a3b",
+    "Kimi-Linear-48B-A3B-Instruct": "kimi-linear-48b-a3b",
+    "NVIDIA-Nemotron-Nano-12B-v2": "nemotron-nano-12b-v2",
+}
+SHELL = ("sh", "-c")
 
 _REFERENCE = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
 
@@ -267,3 +280,19 @@ def split_host_port(address: str) -> tuple[str, int]:
 
 def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
     return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
+
+
+def geometry_of(model: str) -> ModelGeometry:
+    """The geometry of a --model value: a checkpoint under /models (by its directory's
+    name, see CHECKPOINTS) or a preset."""
+    if model.startswith(MODELS + "/"):
+        name = model[len(MODELS) + 1 :].rstrip("/")
+        if name not in CHECKPOINTS:
+            raise KeyError(f"{model}: add its preset to CHECKPOINTS in {Path(__file__).name}")
+        return load_geometry(CHECKPOINTS[name])
+    return load_geometry(model)
+
+
+def is_shell(line: CommandLine) -> bool:
+    """A `sh -c SCRIPT` container (the smoke and model-fill Jobs)."""
+    return line.argv[:2] == SHELL and len(line.argv) == 3

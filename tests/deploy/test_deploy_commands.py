@@ -3,11 +3,13 @@ expands `$(VAR)`, parses with the real CLI, and agrees with the pod around it.""
 
 from __future__ import annotations
 
+import subprocess
 from typing import Any
 
-from k8s_manifests import CommandLine, command_lines, parse_pdxfer
+from k8s_manifests import CommandLine, command_lines, geometry_of, is_shell, parse_pdxfer
 
 from transfer.presets import load_geometry
+from transfer.units import parse_size
 
 GPU = "nvidia.com/gpu"
 
@@ -17,6 +19,8 @@ def _parse_all(objects) -> tuple[list[tuple[CommandLine, Any]], list[str]]:
     for line in command_lines(objects):
         if line.missing:
             errors.append(f"{line.label}: undefined references {sorted(set(line.missing))}")
+            continue
+        if is_shell(line):  # test_shell_scripts_are_valid_sh
             continue
         try:
             parsed.append((line, parse_pdxfer(line.argv)))
@@ -40,7 +44,7 @@ def _gpus(line: CommandLine) -> int:
 def test_every_command_line_parses(objects):
     parsed, errors = _parse_all(objects)
     assert not errors, "\n".join(errors)
-    assert parsed
+    assert parsed or all(is_shell(line) for line in command_lines(objects))
 
 
 def test_serve_roles_match_pod_components(objects):
@@ -60,7 +64,7 @@ def test_gpus_match_tensor_parallel_ranks(objects):
             assert args.device == "cuda" and gpus * args.nnodes == args.tp, (
                 f"{line.label}: {gpus} GPU(s) x {args.nnodes} node(s) for --tp {args.tp}"
             )
-            load_geometry(args.model).check_tp(args.tp)
+            geometry_of(args.model).check_tp(args.tp)
         elif args.command == "bench":
             geometry = load_geometry(args.model)
             for tp in (args.prefill_tp, args.decode_tp):
@@ -84,3 +88,23 @@ def test_bench_job_runs_both_sides(objects):
     lines = [line for line in command_lines(objects) if line.argv[1:3] == ("bench", "transfer")]
     sides = sorted(parse_pdxfer(line.argv).node_rank for line in lines)
     assert sides in ([], [0, 1])
+
+
+def test_shell_scripts_are_valid_sh(objects):
+    """The Jobs that are not pdxfer (smoke, model-fill) run one `sh -c` script each."""
+    for line in command_lines(objects):
+        if line.argv[:1] != ("pdxfer",):
+            assert is_shell(line), f"{line.label}: neither pdxfer nor sh -c SCRIPT"
+            subprocess.run(["sh", "-n", "-c", line.argv[2]], check=True, timeout=30)
+
+
+def test_workers_are_sized_from_the_config(objects):
+    """--gpu-mem and --max-seqs come from the ConfigMap, and the budget parses."""
+    for line, args in _parsed(objects):
+        if args.command != "serve" or args.role == "router":
+            continue
+        flags = line.container["args"]
+        assert "--gpu-mem=$(PDXFER_GPU_MEM)" in flags, line.label
+        assert "--max-seqs=$(PDXFER_MAX_SEQS)" in flags, line.label
+        assert parse_size(args.gpu_mem, "--gpu-mem") >= 1 << 30, line.label
+        assert args.max_seqs >= 1, line.label

@@ -33,8 +33,12 @@ def _flag(argv: tuple[str, ...], flag: str) -> str | None:
     return value
 
 
-def test_servers_have_grpc_probes_on_their_grpc_port(objects):
+def test_workers_have_grpc_probes_on_their_grpc_port(objects):
+    """A worker's gRPC health answers SERVING only once its ranks are up (weights
+    loaded, handshake identity made): the probes hold it out of its pool until then."""
     for line, args in _serving(objects):
+        if args.role == "router":
+            continue
         ports = container_ports(line.container)
         for name in PROBES:
             probe = line.container.get(name)
@@ -42,6 +46,30 @@ def test_servers_have_grpc_probes_on_their_grpc_port(objects):
             port = probe["grpc"]["port"]
             assert port in ports, f"{line.label}: {name} port {port} is not declared"
             assert port == args.port, f"{line.label}: {name} port {port}, --port {args.port}"
+
+
+def test_router_probes_are_http_gets_on_its_http_port(objects):
+    routers = 0
+    for line, args in _serving(objects):
+        if args.role != "router":
+            continue
+        routers += 1
+        assert args.http_port, f"{line.label}: no --http-port"
+        ports = container_ports(line.container)
+        paths = {}
+        for name in PROBES:
+            probe = line.container.get(name)
+            assert probe and "httpGet" in probe, f"{line.label}: {name} is not an httpGet"
+            get = probe["httpGet"]
+            assert get.get("scheme", "HTTP") == "HTTP", f"{line.label}: {name} {get}"
+            assert ports.get(get["port"]) == args.http_port, (
+                f"{line.label}: {name} port {get['port']}, --http-port {args.http_port}"
+            )
+            paths[name] = get["path"]
+        # Ready only while a prefill and a decode instance serve.
+        assert paths["readinessProbe"] == "/health", line.label
+        assert set(paths.values()) <= {"/health", "/metrics"}, paths
+    assert routers <= 1
 
 
 def test_every_probe_targets_a_declared_port(objects):
@@ -68,9 +96,9 @@ def test_scrape_annotations_point_at_the_metrics_port(objects):
         assert len(owners) == 1, f"{pod.name}: scrape port {port} declared by {len(owners)}"
         for line, args in _serving(objects):
             if line.pod == pod and line.container is owners[0]:
-                assert args.metrics_port == port, (
-                    f"{line.label}: --metrics-port {args.metrics_port}"
-                )
+                # The router serves /metrics on its HTTP port; workers on --metrics-port.
+                served = args.http_port if args.role == "router" else args.metrics_port
+                assert served == port, f"{line.label}: scrape port {port}, serves {served}"
     servers = {line.pod.name for line, _ in _serving(objects)}
     assert scraped >= len(servers), "a pdxfer server without scrape annotations"
 

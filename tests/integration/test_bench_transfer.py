@@ -44,6 +44,11 @@ def _check_results(report: dict, tokens: list[int]) -> None:
         assert result["bytes"] == result["raw_bytes"] == result["naive_bytes"] > 0
         assert result["verified"] is True
         assert result["raw_descriptors"] <= result["descriptors"] < result["naive_descriptors"]
+        # The old allocator's request, timed side by side (fewer runs is not promised on
+        # tiny sizes, where staging may gather the lowest-first request's many pieces).
+        assert result["lowest_bytes"] == result["bytes"]
+        assert isinstance(result["lowest_gbps"], float) and result["lowest_descriptors"] >= 1
+        assert result["prefill_block_runs"] <= result["lowest_prefill_block_runs"]
 
 
 @pytest.mark.slow

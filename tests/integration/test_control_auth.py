@@ -121,7 +121,7 @@ def test_token_required_except_for_health(start):
             assert client.health() == "SERVING"  # open for Kubernetes probes
             expect_code("UNAUTHENTICATED", lambda c=client: c.handshake("d0", COMPAT))
             expect_code("UNAUTHENTICATED", lambda c=client: c.acquire("r1", "d0"))
-            expect_code("UNAUTHENTICATED", lambda c=client: c.abort("r1"))
+            expect_code("UNAUTHENTICATED", lambda c=client: c.abort("r1", ""))
             expect_code(
                 "UNAUTHENTICATED", lambda c=client: c.acquire("unknown", "d0")
             )  # no probing for ids
@@ -170,13 +170,13 @@ def test_mtls_with_token(start, pki):
         TlsConfig(rogue_cert, rogue_key, ca=ca),
     ):  # no client cert; one from another CA
         with TransferClient(server.address, tls=tls, token=TOKEN, timeout_s=5) as client:
-            expect_code("UNAVAILABLE", lambda c=client: c.abort("r1"))
+            expect_code("UNAVAILABLE", lambda c=client: c.abort("r1", ""))
     assert freed == [] and len(store) == 1
     good = TlsConfig(client_cert, client_key, ca=ca)
     with TransferClient(server.address, tls=good, timeout_s=5) as client:
-        expect_code("UNAUTHENTICATED", lambda: client.abort("r1"))
+        expect_code("UNAUTHENTICATED", lambda: client.abort("r1", ""))
     with TransferClient(server.address, tls=good, token=TOKEN, timeout_s=5) as client:
-        client.abort("r1", "test")
+        client.abort("r1", store.get("r1").abort_key, "test")
     assert freed == ["r1"]
 
 

@@ -105,8 +105,8 @@ def test_full_ticket_lifecycle(prefill):
     with pytest.raises(ControlError) as info:
         client.release("req-1", "decode-0", ticket.block_ids, ticket.slot_id)
     assert info.value.code == "NOT_FOUND" and pools.freed == [("req-1", FreeReason.RELEASED)]
-    publish(store, pools, "req-2")
-    client.abort("req-2", "client went away")
+    second = publish(store, pools, "req-2")
+    client.abort("req-2", second.abort_key, "client went away")
     assert pools.freed[-1] == ("req-2", FreeReason.ABORTED) and len(pools.blocks) == 16
 
 
@@ -119,7 +119,7 @@ BAD_CALLS = [
         "NOT_FOUND",
         "nope",
     ),
-    ("abort unknown", lambda c, t: c.abort("nope"), "NOT_FOUND", "nope"),
+    ("abort unknown", lambda c, t: c.abort("nope", ""), "NOT_FOUND", "nope"),
     ("empty request_id", lambda c, t: c.acquire("", "decode-0"), "INVALID_ARGUMENT", "request_id"),
     ("empty holder", lambda c, t: c.heartbeat(t.request_id, ""), "INVALID_ARGUMENT", "holder"),
     (
@@ -168,7 +168,7 @@ BAD_CALLS = [
     ),
     (
         "abort reason too long",
-        lambda c, t: c.abort(t.request_id, "x" * 5000),
+        lambda c, t: c.abort(t.request_id, t.abort_key, "x" * 5000),
         "INVALID_ARGUMENT",
         "reason",
     ),
@@ -183,7 +183,7 @@ BAD_CALLS = [
         "handshake mismatch",
         lambda c, t: c.handshake("decode-0", COMPAT | {"block_size": "16", "dtypes": "fp16"}),
         "FAILED_PRECONDITION",
-        "block_size: prefill='4' decode='16'; dtypes",
+        "block_size: decode sent '16'; dtypes: decode sent 'fp16'",
     ),
     (
         "handshake missing field",

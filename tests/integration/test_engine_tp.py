@@ -143,10 +143,16 @@ def run_ranks(model: str, tp_size: int, out_dir: Path) -> list[dict]:
     return [torch.load(out_dir / f"rank{rank}.pt") for rank in range(tp_size)]
 
 
-# TP=4 puts each of tiny-qwen3-next's 2 KV heads on 2 ranks (docs/bugs.md #2).
+# TP=4 puts each of tiny-qwen3-next's 2 KV heads on 2 ranks (docs/bugs.md #2); at TP=2
+# tiny-nemotron-h's one Mamba2 group (B and C) is on both ranks, its gated norm spanning them.
 @pytest.fixture(
     scope="module",
-    params=[("tiny-qwen3-next", 2), ("tiny-kimi-linear", 2), ("tiny-qwen3-next", 4)],
+    params=[
+        ("tiny-qwen3-next", 2),
+        ("tiny-kimi-linear", 2),
+        ("tiny-nemotron-h", 2),
+        ("tiny-qwen3-next", 4),
+    ],
     ids=lambda p: f"{p[0]}-tp{p[1]}",
 )
 def runs(request, tmp_path_factory):

@@ -63,7 +63,8 @@ def expected_bytes(model: str, decode_tp: int, num_tokens: int) -> tuple[int, in
     geometry = get_preset(model)
     dtypes = CacheDtypes.for_model(geometry)
     kv = sum(
-        attention_kv_bytes_per_token(layer, decode_tp, dtypes) for layer in geometry.attention_layers
+        attention_kv_bytes_per_token(layer, decode_tp, dtypes)
+        for layer in geometry.attention_layers
     )
     state = sum(
         linear_state_bytes(layer, decode_tp, dtypes).total for layer in geometry.linear_layers

@@ -103,14 +103,16 @@ def test_thousand_tickets_concurrently():
         )
         kind = i % 10
         if kind == 0:  # the router drops it before any decode instance shows up
-            client.abort(request_id, "dropped")
+            client.abort(request_id, ticket.abort_key, "dropped")
         elif kind == 1:  # nobody comes: the lease frees it
             pass
         elif kind == 2:  # release and abort race; exactly one may win
             client.acquire(request_id, holder)
             outcomes = []
             race = [
-                threading.Thread(target=_try, args=(outcomes, client.abort, request_id)),
+                threading.Thread(
+                    target=_try, args=(outcomes, client.abort, request_id, ticket.abort_key)
+                ),
                 threading.Thread(
                     target=_try,
                     args=(

@@ -8,8 +8,10 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,7 @@ import torch
 
 from tests.support.ucx_env import pristine_ucx_env
 from transfer.control.client import ClientOptions
+from transfer.control.errors import NotPermitted
 from transfer.control.server import serve
 from transfer.control.types import DecodeRequest, GenerateRequest, PrefillRequest
 from transfer.errors import PeerUnavailable, TransferFailed
@@ -28,6 +31,7 @@ from transfer.presets import get_preset
 from transfer.serving.commands import (
     DecodeStep,
     Release,
+    Snapshot,
     TransferEnd,
     TransferPoll,
     TransferSettled,
@@ -92,25 +96,39 @@ def one_thread():
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def prefill_a(tmp_path_factory):
     dump_dir = tmp_path_factory.mktemp("caches")
     with pristine_ucx_env():
-        prefill = start_prefill(dump_dir, "prefill-a")
+        side = start_prefill(dump_dir, "prefill-a")
+    yield side, dump_dir
+    side.close()
+
+
+@pytest.fixture
+def cluster(prefill_a):
+    """A fresh decode instance per test: the stopped-peer tests leave UCX endpoints to a
+    frozen peer behind, and later tests must not depend on how those settle."""
+    prefill, dump_dir = prefill_a
+    with pristine_ucx_env():
         instance = Instance(config("decode", dump_dir))
     address = f"127.0.0.1:{free_port()}"
-    worker = DecodeWorker(instance, "decode-a", ClientOptions(timeout_s=60.0))
-    decode = Side(instance, worker, serve(address, decode=worker.decode), address)
+    worker = DecodeWorker(
+        instance, "decode-a", ClientOptions(timeout_s=60.0), known_prefill=[prefill.address]
+    )
+    server = serve(address, decode=worker.decode, register_prefill=worker.register_prefill)
+    decode = Side(instance, worker, server, address)
     yield prefill, decode, dump_dir
     decode.close()
-    prefill.close()
 
 
-@pytest.fixture(scope="module")
-def spare(tmp_path_factory):
-    """A second prefill instance that talks TCP only, where a READ needs the target to make
-    progress: stopping its rank (SIGSTOP) holds a transfer in flight as long as we like."""
-    with pristine_ucx_env(UCX_TLS="tcp"):  # inherited by the rank process, and only by it
+@pytest.fixture
+def spare(tmp_path_factory, cluster):
+    """A second prefill instance that talks TCP only (over loopback), where a READ needs the
+    target to make progress: stopping its rank (SIGSTOP) holds a transfer in flight as long
+    as we like. Fresh per test, like the decode instance."""
+    with pristine_ucx_env(UCX_TLS="tcp", UCX_NET_DEVICES="lo"):  # the rank process inherits
         side = start_prefill(tmp_path_factory.mktemp("spare"), "prefill-spare")
+    cluster[1].worker.register_prefill([side.address])
     yield side
     side.close()
 
@@ -254,7 +272,7 @@ def test_an_unfinished_transfer_never_becomes_readable(cluster, spare):
     decode.instance.pools.free("cancelled")
     with pytest.raises(ValueError, match="holds no request state"):
         ranks.call(DecodeStep(ticket.first_token, len(ids), blocks, slot))
-    peer.client.abort("cancelled", "test")
+    peer.client.abort("cancelled", ticket.abort_key, "test")
     assert_idle(decode, stalled)
 
 
@@ -286,8 +304,78 @@ def test_a_failed_read_that_may_still_land_holds_the_cache_until_settled(cluster
     assert_idle(stalled, decode)
 
 
+def test_bug14_a_late_read_after_lease_expiry_never_lands_in_a_reused_cache(cluster, spare):
+    """docs/bugs.md #14, deterministically: the prefill rank freezes mid-READ, the lease
+    expires, so the decode's heartbeat fails (not a TransferFailed); a new request is then
+    admitted; the rank resumes and its READ lands. It must land in held blocks, never in the
+    new request's: the new request's caches and tokens are checked after the resume."""
+    prefill, decode, dump_dir = cluster
+    stalled, geometry = spare, get_preset(MODEL)
+    rank = stalled.instance.ranks.procs[0].pid
+    ticket = stalled.worker.prefill(PrefillRequest("late", tuple(prompt(8)), MAX_TOKENS))
+    decode.worker.peer(ticket.address)  # handshake while it runs
+    outcome: list[BaseException] = []
+
+    def run_late() -> None:
+        try:
+            list(decode.worker.decode(DecodeRequest(ticket, MAX_TOKENS)))
+        except BaseException as exc:  # noqa: BLE001 - the test inspects it
+            outcome.append(exc)
+
+    os.kill(rank, signal.SIGSTOP)
+    try:
+        decode.worker.heartbeat_s = 0.2
+        late = threading.Thread(target=run_late)
+        late.start()
+        wait_posted(decode, "late")
+        assert decode.instance.ranks.call(TransferPoll("late"))[0].state is TransferState.PENDING
+        held = decode.instance.pools.get("late")
+        # Expire the lease (its free waits on the frozen rank, hence the thread).
+        expiry = threading.Thread(target=stalled.worker.store.reap, args=(time.time() + 3600,))
+        expiry.start()
+        late.join(30)
+        assert not late.is_alive() and len(outcome) == 1
+        assert getattr(outcome[0], "code", "") == "NOT_FOUND", outcome[0]
+        assert decode.worker.held_requests() == ["late"]
+        ids = prompt(9)
+        after = prefill.worker.prefill(PrefillRequest("after", tuple(ids), MAX_TOKENS))
+        events = iter(decode.worker.decode(DecodeRequest(after, MAX_TOKENS)))
+        tokens = [next(events).token]  # transferred, not stepped yet
+        cache = decode.instance.pools.get("after")
+        assert not set(cache.block_ids) & set(held.block_ids)
+        assert cache.slot_ids != held.slot_ids
+    finally:
+        decode.worker.heartbeat_s = None
+        os.kill(rank, signal.SIGCONT)
+    expiry.join(30)
+    deadline = time.monotonic() + 30
+    while decode.worker.held_requests():
+        assert time.monotonic() < deadline, "the late READ never settled"
+        time.sleep(0.05)
+    # The late READ has landed (or settled): the new request's cache is still its own.
+    decode.instance.ranks.call(
+        Snapshot("after", "decode", cache.block_ids, cache.slot_ids[0], len(ids))
+    )
+    assert check_request(geometry, dump_dir, "after", 1, 1).problems == ()
+    tokens += [event.token for event in events]
+    assert tokens == reference_generate(geometry, ids, MAX_TOKENS)
+    assert_idle(prefill, decode, stalled)
+
+
+def wait_posted(decode: Side, request_id: str, timeout_s: float = 30.0) -> None:
+    """Until `request_id`'s READs are posted on the decode ranks."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            decode.instance.ranks.call(TransferPoll(request_id))
+            return
+        except RankCommandError:
+            assert time.monotonic() < deadline, f"{request_id}: no transfer posted"
+            time.sleep(0.01)
+
+
 def test_dead_prefill_ranks_fail_the_transfer_and_free_both_sides(cluster, spare):
-    """Runs last: it kills the spare instance's rank."""
+    """Kills the spare instance's rank (a fresh one per test)."""
     _, decode, _ = cluster
     victim = spare
     try:
@@ -302,3 +390,36 @@ def test_dead_prefill_ranks_fail_the_transfer_and_free_both_sides(cluster, spare
         assert_idle(victim, decode)  # the decode side aborted the ticket: prefill freed it
     finally:
         decode.worker.transfer_deadline_s = 60.0
+
+
+def test_decode_dials_only_known_prefill_instances_and_no_lock_spans_a_handshake(cluster):
+    """A ticket naming an unknown address is refused without dialling it; a known one that
+    accepts TCP but never answers fails its own request at the handshake deadline, while
+    another request goes through meanwhile (no lock is held across the handshake)."""
+    prefill, decode, _ = cluster
+    ticket = prefill.worker.prefill(PrefillRequest("stranger", tuple(prompt(10)), MAX_TOKENS))
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        mute = f"127.0.0.1:{silent.getsockname()[1]}"
+        with pytest.raises(NotPermitted, match="not a known prefill instance"):
+            list(decode.worker.decode(DecodeRequest(replace(ticket, address=mute), MAX_TOKENS)))
+        decode.worker.register_prefill([mute])
+        stuck: list[BaseException] = []
+
+        def dial_mute() -> None:
+            try:
+                decode.worker.peer(mute, "mute")
+            except BaseException as exc:  # noqa: BLE001 - inspected below
+                stuck.append(exc)
+
+        dialler = threading.Thread(target=dial_mute)
+        dialler.start()
+        time.sleep(0.5)  # the handshake to `mute` is in flight
+        assert dialler.is_alive()
+        tokens = [e.token for e in decode.worker.decode(DecodeRequest(ticket, MAX_TOKENS))]
+        assert dialler.is_alive(), "the other request waited for the silent peer"
+        dialler.join(30)
+    assert tokens == reference_generate(get_preset(MODEL), prompt(10), MAX_TOKENS)
+    assert len(stuck) == 1 and getattr(stuck[0], "code", "") in ("DEADLINE_EXCEEDED", "UNAVAILABLE")
+    assert_idle(prefill, decode)

@@ -107,3 +107,16 @@ def test_metrics_endpoint_serves_the_worker_registry():
     finally:
         server.stop()
     assert samples(body)[("pdxfer_transfer_descriptors_total", ())] == 3
+
+
+def test_block_runs_are_recorded_per_request():
+    metrics = WorkerMetrics()
+    for runs in (1, 1, 5):
+        metrics.record_block_runs(runs)
+    text = metrics.render().decode()
+    assert "pdxfer_kv_block_runs_count 3.0" in text
+    assert "pdxfer_kv_block_runs_sum 7.0" in text
+    assert 'pdxfer_kv_block_runs_bucket{le="1.0"} 2.0' in text
+    assert "pdxfer_kv_block_runs_last 5.0" in text
+    with pytest.raises(ValueError, match="runs"):
+        metrics.record_block_runs(-1)

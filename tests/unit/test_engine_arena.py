@@ -36,7 +36,7 @@ def arena_engine(geometry, options: LayoutOptions, dtypes: CacheDtypes) -> RankE
     return RankEngine(geometry, caches, model=reference_model(geometry))
 
 
-@pytest.fixture(scope="module", params=["tiny-qwen3-next", "tiny-kimi-linear"])
+@pytest.fixture(scope="module", params=["tiny-qwen3-next", "tiny-kimi-linear", "tiny-nemotron-h"])
 def expected(request):
     geometry = get_preset(request.param)
     caches = LocalCaches(geometry, num_blocks=4, block_size=8, num_slots=2)

@@ -1,19 +1,23 @@
-"""The TP=1 engine through its caches against the cache-free full-sequence forward."""
+"""The TP=1 engine of each tiny preset (the real architectures) through its caches against
+the cache-free full-sequence forward."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 
+from transfer.errors import InvalidInput
 from transfer.geometry import Role
 from transfer.model.caches import LocalCaches, view_shape
 from transfer.model.distributed import TPGroup
-from transfer.model.hybrid import HybridModel
+from transfer.model.loader import load_model, model_for_geometry
 from transfer.model.reference import full_sequence_logits, reference_generate, reference_model
 from transfer.model.runner import RankEngine
 from transfer.presets import get_preset
 
-MODELS = ("tiny-qwen3-next", "tiny-qwen3.5", "tiny-kimi-linear")
+MODELS = ("tiny-qwen3-next", "tiny-qwen3.5", "tiny-kimi-linear", "tiny-nemotron-h")
 PROMPT = [5, 77, 301, 12, 9, 480, 33, 2, 141, 64, 7, 250, 18, 99, 3, 411, 27, 8, 300]
 NEW_TOKENS = 6
 BLOCK_SIZE = 8
@@ -150,13 +154,19 @@ def test_bad_requests_raise_naming_the_field(small_engine, call, match):
         call(small_engine)
 
 
-def test_unsupported_or_huge_models_are_refused():
-    with pytest.raises(ValueError, match=r"no \['mamba2'\] layers"):
-        HybridModel(get_preset("tiny-nemotron-h"), TPGroup.single())
-    with pytest.raises(ValueError, match="use a tiny-\\* preset"):
-        HybridModel(get_preset("qwen3-next-80b-a3b"), TPGroup.single())
+def test_models_without_weights_or_for_another_tp_are_refused():
+    for name in ("qwen3-next-80b-a3b", "kimi-linear-48b-a3b", "nemotron-nano-12b-v2"):
+        with pytest.raises(InvalidInput, match=f"preset '{name}' has no weights; pass its"):
+            load_model(name)
+        with pytest.raises(InvalidInput, match="pass its checkpoint directory"):
+            model_for_geometry(get_preset(name), TPGroup.single())
+    changed = dataclasses.replace(get_preset("tiny-kimi-linear"), hidden_size=128)
+    with pytest.raises(InvalidInput, match="no weights for geometry 'tiny-kimi-linear'"):
+        model_for_geometry(changed, TPGroup.single())
+    with pytest.raises(InvalidInput, match="unknown model 'tiny-llama'"):
+        load_model("tiny-llama")
     with pytest.raises(ValueError, match="tp=8 does not divide the 4"):
-        HybridModel(get_preset("tiny-qwen3-next"), TPGroup(0, 8, distributed=False))
+        load_model("tiny-qwen3-next", TPGroup(0, 8, distributed=False))
     geometry = get_preset("tiny-qwen3-next")
     caches = LocalCaches(geometry, num_blocks=1, block_size=8, num_slots=1)
     with pytest.raises(ValueError, match="model: built for another geometry"):

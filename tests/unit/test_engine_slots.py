@@ -48,7 +48,7 @@ def assert_same(before: dict, caches: LocalCaches) -> None:
         assert torch.equal(before[key], t), f"cache {key} changed"
 
 
-@pytest.fixture(scope="module", params=["tiny-qwen3-next", "tiny-kimi-linear"])
+@pytest.fixture(scope="module", params=["tiny-qwen3-next", "tiny-kimi-linear", "tiny-nemotron-h"])
 def geometry(request):
     return get_preset(request.param)
 

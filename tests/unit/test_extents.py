@@ -108,3 +108,10 @@ def test_one_million_blocks_in_few_extents():
 def test_count_runs_follows_table_order():
     assert count_runs([]) == 0
     assert count_runs([3, 4, 5, 9, 10, 0]) == 3
+
+
+def test_a_negative_count_is_refused_and_changes_nothing():
+    extents = extents_with_free({2, 3, 7})
+    with pytest.raises(InvalidInput, match="-1 ids requested"):
+        extents.take(-1)
+    assert extents.runs() == [(2, 2), (7, 1)] and extents.num_free == 3

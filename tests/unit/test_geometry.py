@@ -107,12 +107,12 @@ def test_kda_has_four_state_tensors():
 
 
 def test_mamba2_groups_shard_or_replicate():
-    layer = get_preset("tiny-nemotron-h").layers[0]
-    conv = layer.cache_tensors()[1]
-    x, b, c = conv.segments
-    assert b.units_on_rank(2, 1) == range(1, 2)  # 2 groups over 2 ranks: sharded
-    assert b.units_on_rank(8, 5) == range(1, 2)  # 2 groups over 8 ranks: replicated 4x
+    x, b, _ = get_preset("tiny-nemotron-h").layers[0].cache_tensors()[1].segments
+    assert b.units_on_rank(2, 1) == range(0, 1)  # its one group on both ranks: replicated
     assert x.units_on_rank(8, 5) == range(5, 6)
+    _, b, _ = get_preset("nemotron-nano-12b-v2").layers[0].cache_tensors()[1].segments
+    assert b.units_on_rank(2, 1) == range(4, 8)  # 8 groups over 2 ranks: sharded
+    assert b.units_on_rank(16, 5) == range(2, 3)  # 8 groups over 16 ranks: replicated 2x
 
 
 @pytest.mark.parametrize(
@@ -223,9 +223,9 @@ def test_tiny_real_presets_are_their_config_documents():
     for name, config in TINY_HF_CONFIGS.items():
         assert get_preset(name) == from_hf_dict(config, name)
         assert get_preset(name).dtype == "float32"
+        get_preset(name).check_tp(2)
     kv = get_preset("tiny-qwen3.5").attention_layers[0].cache_tensors()[0].segments[0]
     assert kv.num_units == 1 and kv.units_on_rank(2, 0) == kv.units_on_rank(2, 1) == range(1)
-    get_preset("tiny-qwen3.5").check_tp(2)
 
 
 def test_dtype_spellings():

@@ -1,4 +1,4 @@
-"""Block and slot pools: lowest-first ids, refcounts, tables, all-or-nothing, thread safety."""
+"""Block and slot pools: both block policies, refcounts, tables, all-or-nothing, thread safety."""
 
 from __future__ import annotations
 
@@ -6,8 +6,11 @@ import random
 import threading
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from transfer.cache import BlockPool, CacheFullError, CachePools, SlotPool, fragment
+from transfer.cache.extents import count_runs
 from transfer.errors import CapacityError, NotFound
 from transfer.memplan import plan_memory
 from transfer.presets import get_preset
@@ -18,7 +21,7 @@ def _state(pool: BlockPool) -> tuple:
 
 
 def test_fresh_pool_hands_out_contiguous_lowest_ids_and_reuses_holes_first():
-    pool = BlockPool(10)
+    pool = BlockPool(10, policy="lowest")
     assert pool.allocate(3) == [0, 1, 2]
     assert pool.allocate(2) == [3, 4]
     pool.free([1, 3])
@@ -104,7 +107,7 @@ def test_cache_pools_allocate_blocks_and_slots_atomically():
 
 
 def test_fragment_leaves_holes_that_new_requests_land_in():
-    pool = BlockPool(64)
+    pool = BlockPool(64, policy="lowest")
     held = fragment(pool, random.Random(3))
     ids = pool.allocate(6)
     assert ids != list(range(ids[0], ids[0] + 6))  # not one contiguous run
@@ -112,6 +115,78 @@ def test_fragment_leaves_holes_that_new_requests_land_in():
         pool.free(allocation)
     pool.free(ids)
     assert pool.num_free == 64
+
+
+def test_contiguous_pool_serves_the_same_request_from_one_run():
+    pool = BlockPool(64)
+    held = fragment(pool, random.Random(3))
+    ids = pool.allocate(6, request_id="r")
+    assert ids == list(range(ids[0], ids[0] + 6)) and pool.runs("r") == 1
+    assert pool.allocate(1) != [ids[0] - 1]  # a one-block request takes a one-block hole
+    for allocation in held:
+        pool.free(allocation)
+
+
+def test_contiguous_pool_keeps_its_contract():
+    pool = BlockPool(10)
+    assert pool.allocate(3, "a") == [0, 1, 2]
+    pool.allocate(2, "b")
+    pool.free_request("a")
+    assert pool.allocate(2, "a") == [0, 1]  # the best-fitting hole, not the tail
+    pool.incref([0, 1], "c")
+    pool.free_request("b")
+    assert pool.free_request("a") == [] and pool.refcount(0) == 1
+    assert pool.block_table("c") == (0, 1) and pool.runs("c") == 1
+    assert pool.allocate(8, "d") == list(range(2, 10))  # coalesced: one run
+    with pytest.raises(CacheFullError, match="0 of 10 free"):
+        pool.allocate(1)
+    with pytest.raises(ValueError, match="policy must be one of"):
+        BlockPool(4, policy="first")
+
+
+# (allocate n blocks) or (free the i-th live request), the same history for both policies
+_history = st.lists(
+    st.one_of(
+        st.tuples(st.just("alloc"), st.integers(1, 24)),
+        st.tuples(st.just("free"), st.integers(0, 1000)),
+    ),
+    max_size=80,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(size=st.integers(1, 160), history=_history)
+def test_policies_on_the_same_history(size, history):
+    """Both pools replay one history of requests; every allocation is checked against the
+    contiguous pool's own free set: no double allocation, free total conserved, all or
+    nothing, and never more runs than lowest-first would hand out from that free set."""
+    pools = {policy: BlockPool(size, policy) for policy in ("contiguous", "lowest")}
+    live: dict[str, list[list[int]]] = {policy: [] for policy in pools}
+    for step, (op, arg) in enumerate(history):
+        if op == "free":
+            if live["lowest"]:
+                i = arg % len(live["lowest"])
+                for policy, pool in pools.items():
+                    pool.free(live[policy].pop(i))
+            continue
+        if arg > pools["lowest"].num_free:
+            for pool in pools.values():
+                before = _state(pool)
+                with pytest.raises(CacheFullError):
+                    pool.allocate(arg, request_id=step)
+                assert _state(pool) == before
+            continue
+        pool = pools["contiguous"]
+        free = {i for i in range(size) if pool.refcount(i) == 0}
+        ids = pool.allocate(arg, request_id=step)
+        assert len(set(ids)) == arg and set(ids) <= free  # no double allocation
+        assert pool.runs(step) == count_runs(sorted(ids))
+        assert count_runs(sorted(ids)) <= count_runs(sorted(free)[:arg])
+        live["contiguous"].append(ids)
+        live["lowest"].append(pools["lowest"].allocate(arg))
+        for p in pools.values():
+            held = sum(1 for i in range(size) if p.refcount(i))
+            assert p.num_free == size - held  # free total conserved
 
 
 def test_concurrent_allocate_and_free_never_hand_out_a_block_twice():

@@ -27,9 +27,9 @@ EXPECTED = {
     "tiny-qwen3-next": {1: (16_384, 3_072, 512), 2: (8_192, 1_536, 256), 4: (4_096, 768, 256)},
     "tiny-kimi-linear": {1: (8_192, 2_304, 160), 2: (4_096, 1_152, 160), 4: (2_048, 576, 160)},
     "tiny-nemotron-h": {
-        1: (16_384, 2_304, 512),
-        2: (8_192, 1_152, 256),
-        4: (4_096, 768, 256),  # 2 groups over 4 ranks: B and C replicated
+        1: (16_384, 1_920, 512),  # one group: conv (256 x + 2 x 32 B|C) x 3 steps x 2 bytes
+        2: (8_192, 1_152, 256),  # B and C replicated on every rank from TP 2 on
+        4: (4_096, 768, 256),
         8: (2_048, 576, 256),
     },
 }

@@ -13,7 +13,13 @@ from transfer.cli.launch_run import Outcome
 from transfer.presets import get_preset
 from transfer.serving.instance import InstanceConfig, plan_for
 from transfer.serving.router import Router, join_address, resolve, split_address
-from transfer.serving.serve import auth_token, instance_config, interface_of, tls_configs
+from transfer.serving.serve import (
+    auth_token,
+    check_exposure,
+    instance_config,
+    interface_of,
+    tls_configs,
+)
 
 
 @pytest.mark.parametrize("model", ["tiny-qwen3-next", "tiny-kimi-linear", "tiny-nemotron-h"])
@@ -122,3 +128,21 @@ def test_summary_percentiles_and_table():
     table = format_table(outcomes, summary)
     assert "req-1" in table and "FAIL" in table and "ERROR" in table
     assert "req-bad: UNAVAILABLE: boom" in table and "req-1: tokens differ" in table
+
+
+def test_the_data_plane_binds_the_host_unless_told_otherwise():
+    """Without --data-host, UCX listened on every interface; now it is held to --host's."""
+    config = instance_config(serve_args("prefill", "--host", "127.0.0.1", "--max-queue", "5"))
+    assert config.net_device == "lo" and config.max_queue == 5
+    assert instance_config(serve_args("prefill", "--host", "0.0.0.0")).net_device is None
+
+
+def test_a_non_loopback_server_needs_a_token_or_mtls_unless_insecure():
+    exposed = serve_args("prefill", "--host", "0.0.0.0")
+    with pytest.raises(ValueError, match="--host 0.0.0.0: serving a non-loopback address"):
+        check_exposure(exposed, None, None)
+    check_exposure(exposed, "a-token", None)
+    check_exposure(serve_args("prefill", "--host", "0.0.0.0", "--insecure"), None, None)
+    check_exposure(serve_args("prefill", "--host", "127.0.0.1"), None, None)
+    with pytest.raises(ValueError, match="non-loopback"):  # the data plane counts too
+        check_exposure(serve_args("prefill", "--data-host", "0.0.0.0"), None, None)

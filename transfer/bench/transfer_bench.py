@@ -2,7 +2,9 @@
 
 Prefill and decode ranks are separate processes, each with one arena laid out from the
 real model geometry (layers scaled down when the arenas would not fit), blocks and slots
-allocated from fragmented pools. Per token count it times ours (the packer's plan), raw
+allocated from fragmented pools. Per token count it times ours (the packer's plan, blocks
+from the contiguous pool), lowest (the same request placed by the old lowest-free-first
+pool after the same history), raw
 (the same bytes per rank pair as one contiguous range: the ceiling) and naive (one
 descriptor per layer, block and K/V region, as vLLM's NixlConnector posts), after checking
 that each moved the right bytes. The report (key `results`) is a public interface.
@@ -178,9 +180,12 @@ def measure(config: TransferBenchConfig) -> dict:
         "definitions": {
             "time": "one request: slowest prefill gather (if staged) + slowest decode post..DONE..scatter",
             "gbps": "bytes / median time, 1 GB = 1e9 B",
+            "ours": "the packer's plan; blocks from the contiguous pool (fewest free runs)",
+            "lowest": "the packer's plan; blocks from the old lowest-free-first pool, same history",
             "raw": "the same bytes per (decode rank, prefill rank) pair as one contiguous range",
             "naive": "one descriptor per (layer, block, K/V region) and per (layer, state tensor, slot), vLLM-like layout",
-            "efficiency": "gbps / raw_gbps",
+            "efficiency": "gbps / raw_gbps (lowest_efficiency: lowest_gbps / raw_gbps)",
+            "block_runs": "runs of consecutive block ids in the request's block table, per side",
             "speedup": "gbps / naive_gbps",
         },
         "results": results,

@@ -1,10 +1,11 @@
 """Drive `pdxfer bench transfer`: start the rank processes of each TP pair, verify and time
 ours, raw and naive for each token count, and collect the figures.
 
-One request's time = the slowest prefill rank's gather into staging (when the plan stages)
-plus the slowest decode rank's post -> poll to DONE -> scatter. All decode ranks start
-together; the modes take turns within each repeat, so a load change on the box hits all
-three alike.
+Modes: ours (the packer's plan, blocks from the contiguous pool), lowest (the same, blocks
+from the old lowest-free-first pool after the same history), raw, naive. One request's
+time = the slowest prefill rank's gather into staging (when the plan stages) plus the
+slowest decode rank's post -> poll to DONE -> scatter. All decode ranks start together;
+the modes take turns within each repeat, so a load change on the box hits all alike.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from transfer.bench.transfer_rank import (
 )
 from transfer.bench.transfer_remote import RemotePeer
 from transfer.bench.transfer_setup import (
+    PLANNED_MODES,
     Instances,
     Transfers,
     build_instances,
@@ -36,11 +38,12 @@ from transfer.bench.transfer_setup import (
     plan_all,
     staging_need,
 )
+from transfer.cache.extents import count_runs
 from transfer.geometry import ModelGeometry
 from transfer.serving.ranks import STOP_TIMEOUT_S, RankGroup, RankLink
 from transfer.stats import percentile
 
-MODES = ("ours", "raw", "naive")
+MODES = ("ours", "lowest", "raw", "naive")
 SETUP_TIMEOUT_S = 600.0
 CALL_TIMEOUT_S = 300.0
 
@@ -162,19 +165,24 @@ class PairRun:
         """Send every rank its jobs; returns whether any prefill rank gathers, per mode."""
         from transfer.dataplane import RangeBatch
 
-        gathers: list[list] = [[] for _ in range(self.prefill.size)]
-        ours = []
-        for plan in transfers.ours:
-            items = []
-            for source in plan.sources:
-                wire = source.wire
-                batch = RangeBatch(wire.dst, wire.src, wire.lengths)
-                staged = source if len(source.scatter) else None
-                items.append(ReadItem(source.prefill_rank, batch, staged))
-                if len(source.gather):
-                    gathers[source.prefill_rank].append(source)
-            ours.append(tuple(items))
-        self.decode.call(Prepare("ours", "read", tuple(ours)))
+        gathering = {"raw": False, "naive": False}
+        for mode in PLANNED_MODES:
+            gathers: list[list] = [[] for _ in range(self.prefill.size)]
+            reads = []
+            for plan in getattr(transfers, mode):
+                items = []
+                for source in plan.sources:
+                    wire = source.wire
+                    batch = RangeBatch(wire.dst, wire.src, wire.lengths)
+                    staged = source if len(source.scatter) else None
+                    items.append(ReadItem(source.prefill_rank, batch, staged))
+                    if len(source.gather):
+                        gathers[source.prefill_rank].append(source)
+                reads.append(tuple(items))
+            if reads:
+                self.decode.call(Prepare(mode, "read", tuple(reads)))
+                self.prefill.call(Prepare(mode, "gather", tuple(tuple(g) for g in gathers)))
+            gathering[mode] = any(gathers)
         for mode in ("raw", "naive"):
             items = tuple(
                 tuple(
@@ -183,8 +191,7 @@ class PairRun:
                 for per_rank in getattr(transfers, mode)
             )
             self.decode.call(Prepare(mode, "read", items))
-        self.prefill.call(Prepare("ours", "gather", tuple(tuple(g) for g in gathers)))
-        return {"ours": any(gathers), "raw": False, "naive": False}
+        return gathering
 
     def _run(self, mode: str, gathering: bool) -> float:
         timeout = self.settings.deadline_s + 60.0
@@ -194,11 +201,11 @@ class PairRun:
 
     def _verify(self, mode: str, transfers: Transfers) -> None:
         """Compare a CRC of the bytes each decode rank received, range by range, with the
-        same ranges' bytes on the prefill side (ours: its unstaged mapping)."""
-        if mode == "ours":
+        same ranges' bytes on the prefill side (ours, lowest: the unstaged mapping)."""
+        if mode in PLANNED_MODES:
             pairs = [
                 [(s.prefill_rank, s.wire.src, s.wire.dst, s.wire.lengths) for s in plan.sources]
-                for plan in transfers.ours_direct
+                for plan in getattr(transfers, f"{mode}_direct")
             ]
         else:
             pairs = list(getattr(transfers, mode))
@@ -222,19 +229,21 @@ class PairRun:
 
     def measure(self, transfers: Transfers, label: str) -> dict[str, list[float]]:
         gathering = self._prepare(transfers)
-        for mode in MODES:
+        modes = [m for m in MODES if m not in PLANNED_MODES or getattr(transfers, m)]
+        for mode in modes:
             self.decode.call(Zero())
             self._run(mode, gathering[mode])
             self._verify(mode, transfers)
-        self.log(f"{label}: ours, raw and naive moved the right bytes")
-        times: dict[str, list[float]] = {mode: [] for mode in MODES}
+        self.log(f"{label}: {', '.join(modes)} moved the right bytes")
+        times: dict[str, list[float]] = {mode: [] for mode in modes}
         for repeat in range(self.settings.repeats):
-            for mode in MODES:
+            for mode in modes:
                 times[mode].append(self._run(mode, gathering[mode]))
             self.log(f"{label}: repeat {repeat + 1}/{self.settings.repeats}")
-        for mode in MODES:
+        for mode in modes:
             self.decode.call(Drop(mode))
-        self.prefill.call(Drop("ours"))
+        for mode in PLANNED_MODES:
+            self.prefill.call(Drop(mode))
         return times
 
 
@@ -251,6 +260,8 @@ def summarize(
     entry["kv_bytes"] = sum(plan.kv_bytes for plan in transfers.ours)
     entry["state_bytes"] = sum(plan.state_bytes for plan in transfers.ours)
     for mode in MODES:
+        if mode not in times:
+            continue
         prefix = "" if mode == "ours" else f"{mode}_"
         median = float(np.median(times[mode]))
         entry[f"{prefix}median_ms"] = median * 1e3
@@ -261,6 +272,8 @@ def summarize(
             entry[f"{prefix}bytes"] = transfers.nbytes(mode)
     entry["efficiency"] = entry["gbps"] / entry["raw_gbps"]
     entry["speedup"] = entry["gbps"] / entry["naive_gbps"]
+    if "lowest" in times:
+        entry["lowest_efficiency"] = entry["lowest_gbps"] / entry["raw_gbps"]
     entry["staged_sources"] = sum(
         s.mode.value != "direct" for plan in transfers.ours for s in plan.sources
     )
@@ -273,16 +286,21 @@ def run_pair(
 ) -> tuple[list[dict], int]:
     """Results of every token count for one TP pair, and the pair's total arena bytes."""
     base = build_instances(geometry, p_tp, d_tp, settings.block_size, max(settings.tokens))
-    requests = [
-        make_request(base, n, settings.seed + n, settings.hole_blocks) for n in settings.tokens
-    ]
+    # One history per token count (its seed), replayed on both block policies.
+    requests, lowest = (
+        [
+            make_request(base, n, settings.seed + n, settings.hole_blocks, policy)
+            for n in settings.tokens
+        ]
+        for policy in ("contiguous", "lowest")
+    )
     instances = build_instances(
         geometry,
         p_tp,
         d_tp,
         settings.block_size,
         max(settings.tokens),
-        staging_need(base, requests),
+        staging_need(base, requests + lowest),
     )
     log(
         f"P={p_tp} D={d_tp}: starting {p_tp + d_tp} rank processes "
@@ -292,10 +310,14 @@ def run_pair(
     results = []
     try:
         run.start()
-        for n, request in zip(settings.tokens, requests, strict=True):
-            transfers = plan_all(instances, request)
+        for n, request, old in zip(settings.tokens, requests, lowest, strict=True):
+            transfers = plan_all(instances, request, old)
             times = run.measure(transfers, f"P={p_tp} D={d_tp} {n} tokens")
-            results.append(summarize(n, transfers, times, p_tp, d_tp))
+            entry = summarize(n, transfers, times, p_tp, d_tp)
+            for prefix, req in (("", request), ("lowest_", old)):
+                entry[f"{prefix}prefill_block_runs"] = count_runs(req.src_blocks)
+                entry[f"{prefix}decode_block_runs"] = count_runs(req.dst_blocks)
+            results.append(entry)
     finally:
         run.stop()
     return results, instances.total_bytes

@@ -31,6 +31,15 @@ CSV_COLUMNS = (
     "raw_descriptors",
     "naive_descriptors",
     "staged_sources",
+    "lowest_median_ms",
+    "lowest_p99_ms",
+    "lowest_gbps",
+    "lowest_efficiency",
+    "lowest_descriptors",
+    "prefill_block_runs",
+    "decode_block_runs",
+    "lowest_prefill_block_runs",
+    "lowest_decode_block_runs",
 )
 
 
@@ -53,14 +62,17 @@ def format_table(report: dict) -> str:
         f"cache layers), {report['transport']}, {report['nodes']}, block size {report['block_size']}, "
         f"{report['repeats']} repeats",
         f"{'P':>2} {'D':>2} {'tokens':>7} {'bytes':>10} {'median':>9} {'p99':>9} {'GB/s':>6} "
-        f"{'raw':>6} {'naive':>6} {'eff':>5} {'speedup':>7} {'desc':>6} {'naive desc':>10}",
+        f"{'raw':>6} {'naive':>6} {'eff':>5} {'speedup':>7} {'desc':>6} {'naive desc':>10} "
+        f"{'old GB/s':>8} {'old eff':>7} {'old desc':>8}",
     ]
     for r in report["results"]:
         lines.append(
             f"{r['prefill_tp']:>2} {r['decode_tp']:>2} {r['tokens']:>7} {r['bytes'] / 2**20:>6.1f} MiB "
             f"{r['median_ms']:>6.1f} ms {r['p99_ms']:>6.1f} ms {r['gbps']:>6.2f} {r['raw_gbps']:>6.2f} "
             f"{r['naive_gbps']:>6.2f} {r['efficiency']:>5.2f} {r['speedup']:>6.2f}x "
-            f"{r['descriptors']:>6} {r['naive_descriptors']:>10}"
+            f"{r['descriptors']:>6} {r['naive_descriptors']:>10} "
+            f"{r.get('lowest_gbps', float('nan')):>8.2f} "
+            f"{r.get('lowest_efficiency', float('nan')):>7.2f} {r.get('lowest_descriptors', '-'):>8}"
         )
     control = report.get("control")
     if control:
@@ -70,7 +82,8 @@ def format_table(report: dict) -> str:
             f"with {control['concurrency']} clients (p99 {control['loaded_p99_ms']:.3f} ms)"
         )
     lines.append(
-        "GB/s = bytes / median time (1 GB = 1e9 B); eff = ours / raw; speedup = ours / naive"
+        "GB/s = bytes / median time (1 GB = 1e9 B); eff = ours / raw; speedup = ours / naive; "
+        "old = the same request placed by the lowest-free-first block pool"
     )
     return "\n".join(lines)
 
@@ -110,6 +123,14 @@ def plot(report: dict, path: str) -> None:
         descs.plot(
             tokens, [r["descriptors"] for r in rows], "o-", color=color, label=f"{label} ours"
         )
+        if all("lowest_descriptors" in r for r in rows):
+            descs.plot(
+                tokens,
+                [r["lowest_descriptors"] for r in rows],
+                "s--",
+                color=color,
+                label=f"{label} lowest-first",
+            )
         descs.plot(
             tokens,
             [r["naive_descriptors"] for r in rows],

@@ -121,11 +121,17 @@ def fit_geometry(
 
 
 def fragmented_request(
-    layout: Layout, num_tokens: int, rng: random.Random, hole_blocks: int = HOLE_BLOCKS
+    layout: Layout,
+    num_tokens: int,
+    rng: random.Random,
+    hole_blocks: int = HOLE_BLOCKS,
+    policy: str = "contiguous",
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Block and slot ids of one request on pools fragmented as after serving many requests
-    of 1..`hole_blocks` blocks each (`fragment`): the request lands in the holes they left."""
-    blocks, slots = BlockPool(layout.num_blocks), SlotPool(layout.num_slots)
+    of 1..`hole_blocks` blocks each (`fragment`), allocated by the block pool's `policy`.
+    The history depends only on `rng`, so two policies given equal rngs replay the same
+    one."""
+    blocks, slots = BlockPool(layout.num_blocks, policy), SlotPool(layout.num_slots)
     need = layout.blocks_for(num_tokens)
     for pool, enough in ((blocks, lambda: blocks.num_free >= need), (slots, slots.can_allocate)):
         held = fragment(pool, rng, max_request_blocks=hole_blocks)
@@ -135,12 +141,17 @@ def fragmented_request(
 
 
 def make_request(
-    instances: Instances, num_tokens: int, seed: int, hole_blocks: int = HOLE_BLOCKS
+    instances: Instances,
+    num_tokens: int,
+    seed: int,
+    hole_blocks: int = HOLE_BLOCKS,
+    policy: str = "contiguous",
 ) -> TransferRequest:
+    """One request on both sides' fragmented pools; equal seeds give equal histories."""
     rng = random.Random(seed)
-    src_blocks, src_slots = fragmented_request(instances.prefill[0], num_tokens, rng, hole_blocks)
-    dst_blocks, dst_slots = fragmented_request(instances.decode[0], num_tokens, rng, hole_blocks)
-    return TransferRequest(num_tokens, src_blocks, src_slots, dst_blocks, dst_slots)
+    src = fragmented_request(instances.prefill[0], num_tokens, rng, hole_blocks, policy)
+    dst = fragmented_request(instances.decode[0], num_tokens, rng, hole_blocks, policy)
+    return TransferRequest(num_tokens, src[0], src[1], dst[0], dst[1])
 
 
 def staging_need(instances: Instances, requests: Sequence[TransferRequest]) -> int:
@@ -168,15 +179,22 @@ def staging_need(instances: Instances, requests: Sequence[TransferRequest]) -> i
     return need + STAGING_HEADROOM if need else 0
 
 
+PLANNED_MODES = ("ours", "lowest")  # the packer's plans, on each block policy's request
+
+
 @dataclass(frozen=True, eq=False)
 class Transfers:
-    """What each decode rank posts, per mode, for one request. Per decode rank, a list of
-    `(prefill_rank, src_offsets, dst_offsets, lengths)`; `ours` also keeps the plans."""
+    """What each decode rank posts, per mode, for one request. `ours` and `lowest` are the
+    packer's plans for the request as the contiguous and the lowest-first block pools
+    placed it (the same history); raw and naive (per decode rank, a list of
+    `(prefill_rank, src_offsets, dst_offsets, lengths)`) move `ours`'s bytes."""
 
     ours: tuple[TransferPlan, ...]
     ours_direct: tuple[TransferPlan, ...]  # the same bytes unstaged: what to verify
     raw: tuple[list[tuple[int, np.ndarray, np.ndarray, np.ndarray]], ...]
     naive: tuple[list[tuple[int, np.ndarray, np.ndarray, np.ndarray]], ...]
+    lowest: tuple[TransferPlan, ...] = ()
+    lowest_direct: tuple[TransferPlan, ...] = ()
 
     @property
     def bytes(self) -> int:
@@ -187,13 +205,13 @@ class Transfers:
         return sum(plan.descriptors for plan in self.ours)
 
     def count(self, mode: str) -> int:
-        if mode == "ours":
-            return self.descriptors
+        if mode in PLANNED_MODES:
+            return sum(plan.descriptors for plan in getattr(self, mode))
         return sum(len(lengths) for rank in getattr(self, mode) for *_, lengths in rank)
 
     def nbytes(self, mode: str) -> int:
-        if mode == "ours":
-            return self.bytes
+        if mode in PLANNED_MODES:
+            return sum(plan.wire_bytes for plan in getattr(self, mode))
         return sum(int(lengths.sum()) for rank in getattr(self, mode) for *_, lengths in rank)
 
 
@@ -208,14 +226,24 @@ def raw_ranges(plan: TransferPlan) -> list[tuple[int, np.ndarray, np.ndarray, np
     return out
 
 
-def plan_all(instances: Instances, request: TransferRequest) -> Transfers:
+def plan_all(
+    instances: Instances, request: TransferRequest, lowest: TransferRequest | None = None
+) -> Transfers:
+    """Every mode's ranges for `request`; `lowest` is the same request as the lowest-first
+    block pool placed it (no `lowest` mode without it)."""
     from transfer.bench.transfer_naive import naive_ranges
 
-    ours = plan_transfer(instances.prefill, instances.decode, request)
-    direct = plan_transfer(
-        instances.prefill, instances.decode, request, StagingPolicy(enabled=False)
-    )
+    def plans(req: TransferRequest | None) -> tuple[tuple[TransferPlan, ...], ...]:
+        if req is None:
+            return (), ()
+        staged = plan_transfer(instances.prefill, instances.decode, req)
+        direct = plan_transfer(
+            instances.prefill, instances.decode, req, StagingPolicy(enabled=False)
+        )
+        return staged, direct
+
+    (ours, direct), (old, old_direct) = plans(request), plans(lowest)
     naive = tuple(
         naive_ranges(instances.naive_prefill, layout, request) for layout in instances.naive_decode
     )
-    return Transfers(ours, direct, tuple(raw_ranges(plan) for plan in ours), naive)
+    return Transfers(ours, direct, tuple(raw_ranges(plan) for plan in ours), naive, old, old_direct)

@@ -64,7 +64,7 @@ class FreeExtents:
 
     def take(self, n: int) -> list[int]:
         """`n` free ids in as few runs as possible (see the module docstring); all or nothing."""
-        if n > self.num_free:
+        if n < 0 or n > self.num_free:
             raise InvalidInput(f"take: {n} ids requested, {self.num_free} free")
         ids: list[int] = []
         remaining = n

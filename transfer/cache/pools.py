@@ -2,18 +2,21 @@
 
 Every call validates first and changes nothing when it fails: a request that cannot be
 served leaves the pools exactly as they were. All pools are thread-safe (the control
-plane frees from its lease reaper thread). Ids are handed out lowest-first, so a fresh
-pool gives a request contiguous blocks.
+plane frees from its lease reaper thread). KV blocks are handed out in as few runs of
+consecutive ids as the free set allows (`policy="contiguous"`, `extents.FreeExtents`), or
+lowest-first (`policy="lowest"`, the old allocator, kept for the benchmark); state slot
+groups go lowest-first. A fresh pool gives a request contiguous blocks either way.
 """
 
 from __future__ import annotations
 
-import heapq
 import math
 import threading
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
+from transfer.cache.extents import FreeExtents, count_runs
+from transfer.cache.lowest_free import FreeIds, LowestFree
 from transfer.errors import CapacityError, InvalidInput, NotFound
 from transfer.memplan import MemoryPlan
 
@@ -22,21 +25,25 @@ class CacheFullError(CapacityError):
     """The pool has too few free blocks or slots; nothing was allocated."""
 
 
-class _IdPool:
-    """Ids 0..n-1, lowest free first: freed ids in a heap, never-used ids above `_fresh`."""
+BLOCK_POLICIES = ("contiguous", "lowest")
 
-    def __init__(self, size: int, what: str) -> None:
+
+class _IdPool:
+    """Ids 0..n-1 with refcounts; `free` (a free list) decides which free ids to hand out."""
+
+    def __init__(self, size: int, what: str, policy: str = "lowest") -> None:
         if isinstance(size, bool) or not isinstance(size, int) or size < 0:
             raise InvalidInput(f"num_{what}s must be an integer >= 0, got {size!r}")
+        if policy not in BLOCK_POLICIES:
+            raise InvalidInput(f"policy must be one of {BLOCK_POLICIES}, got {policy!r}")
         self.size = size
         self.what = what
-        self._heap: list[int] = []
-        self._fresh = 0
+        self.free: FreeIds = FreeExtents(size) if policy == "contiguous" else LowestFree(size)
         self.refs: dict[int, int] = {}
 
     @property
     def num_free(self) -> int:
-        return self.size - len(self.refs)
+        return self.free.num_free
 
     def take(self, n: int) -> list[int]:
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
@@ -45,10 +52,7 @@ class _IdPool:
             raise CacheFullError(
                 f"cannot allocate {n} {self.what}s: {self.num_free} of {self.size} free"
             )
-        ids = [heapq.heappop(self._heap) for _ in range(min(n, len(self._heap)))]
-        fresh = n - len(ids)
-        ids.extend(range(self._fresh, self._fresh + fresh))
-        self._fresh += fresh
+        ids = self.free.take(n)
         for i in ids:
             self.refs[i] = 1
         return ids
@@ -71,16 +75,30 @@ class _IdPool:
             self.refs[i] -= 1
             if self.refs[i] == 0:
                 del self.refs[i]
-                heapq.heappush(self._heap, i)
                 freed.append(i)
+        self.free.put(freed)
         return freed
 
 
 class BlockPool:
-    """`num_blocks` KV blocks with refcounts (prefix sharing) and per-request block tables."""
+    """`num_blocks` KV blocks with refcounts (prefix sharing) and per-request block tables.
 
-    def __init__(self, num_blocks: int) -> None:
-        self._ids = _IdPool(num_blocks, "block")
+    `policy="contiguous"` (default) serves each allocation from the fewest free runs: the
+    best-fitting run when one holds it, else the largest runs first (`extents.FreeExtents`;
+    O(log n) per run touched). The packer posts one descriptor per run of blocks
+    consecutive on both sides, so fewer runs mean fewer descriptors. `policy="lowest"` is
+    the old lowest-free-first allocator (the benchmark compares the two).
+
+    Prefix-cache seam: only blocks at refcount 0 are in the free extents. A prefix cache
+    would keep its evictable blocks (refcount 0 but still indexed) out of them, in its own
+    LRU beside the extents, and hand a block to the extents (`free`) only when it evicts
+    it; reusing a cached block is `incref`. No block is ever in both orders, so neither
+    can go stale, and evicting a block coalesces it with its free neighbours.
+    """
+
+    def __init__(self, num_blocks: int, policy: str = "contiguous") -> None:
+        self._ids = _IdPool(num_blocks, "block", policy)
+        self.policy = policy
         self._tables: dict[Hashable, list[int]] = {}
         self._lock = threading.Lock()
 
@@ -129,6 +147,10 @@ class BlockPool:
             if request_id not in self._tables:
                 raise NotFound(f"request_id {request_id!r} has no block table")
             return tuple(self._tables[request_id])
+
+    def runs(self, request_id: Hashable) -> int:
+        """Runs of consecutive ids in the request's block table (its fragmentation)."""
+        return count_runs(self.block_table(request_id))
 
     def free_request(self, request_id: Hashable) -> list[int]:
         """Decref the request's whole table and forget it."""
@@ -234,11 +256,12 @@ class CachePools:
         spec_slots_per_request: int = 0,
         uses_blocks: bool = True,
         uses_slots: bool = True,
+        block_policy: str = "contiguous",
     ) -> None:
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise InvalidInput(f"block_size must be an integer >= 1, got {block_size!r}")
         self.block_size = block_size
-        self.blocks = BlockPool(num_blocks)
+        self.blocks = BlockPool(num_blocks, block_policy)
         self.slots = SlotPool(num_slots, spec_slots_per_request)
         self.uses_blocks = uses_blocks
         self.uses_slots = uses_slots
@@ -246,7 +269,9 @@ class CachePools:
         self._lock = threading.Lock()
 
     @classmethod
-    def from_plan(cls, plan: MemoryPlan, spec_slots_per_request: int = 0) -> CachePools:
+    def from_plan(
+        cls, plan: MemoryPlan, spec_slots_per_request: int = 0, block_policy: str = "contiguous"
+    ) -> CachePools:
         """Pools sized by the memory plan (`num_state_slots` counts the speculative slots)."""
         return cls(
             plan.block_size,
@@ -255,6 +280,7 @@ class CachePools:
             spec_slots_per_request,
             uses_blocks=plan.kv_pages_per_block > 0,
             uses_slots=plan.state_pages_per_slot > 0,
+            block_policy=block_policy,
         )
 
     def blocks_for(self, num_tokens: int) -> int:

@@ -22,6 +22,12 @@ def add_security_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tls-cert", metavar="PATH", help="PEM certificate of this server")
     group.add_argument("--tls-key", metavar="PATH", help="PEM private key of this server")
     group.add_argument(
+        "--insecure",
+        action="store_true",
+        help="serve a non-loopback --host/--data-host without a token or mutual TLS "
+        "(refused otherwise)",
+    )
+    group.add_argument(
         "--tls-ca",
         metavar="PATH",
         help="PEM CA bundle: verifies peers; on a server it also requires client certs (mTLS)",
@@ -37,13 +43,21 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--data-host",
         default=None,
-        help="address the data plane listens on and advertises (default: --host)",
+        help="address the data plane listens on and advertises (default: --host); its "
+        "interface becomes UCX_NET_DEVICES",
     )
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="(default cpu)")
     parser.add_argument(
         "--gpu-mem", default="256MiB", help="cache memory per rank (default 256MiB)"
     )
     parser.add_argument("--max-seqs", type=int, default=16, help="max live requests (default 16)")
+    parser.add_argument(
+        "--max-queue",
+        type=int,
+        default=32,
+        help="requests that wait for room beyond --max-seqs; more are refused with "
+        "RESOURCE_EXHAUSTED (default 32)",
+    )
     parser.add_argument(
         "--block-size", type=int, default=16, help="minimum KV block size in tokens (default 16)"
     )
@@ -55,7 +69,9 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="model weight seed (default 0)")
     parser.add_argument(
-        "--instance-id", default=None, help="name of this instance (default: host:port)"
+        "--instance-id",
+        default=None,
+        help="name of this instance (default: host:port); a boot id is appended per start",
     )
     parser.add_argument(
         "--dump-dir",
@@ -108,6 +124,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=[],
         metavar="HOST:PORT",
         help="a decode instance (repeat)",
+    )
+    decode = parser.add_argument_group("decode")
+    decode.add_argument(
+        "--prefill-peers",
+        action="append",
+        default=[],
+        metavar="HOST:PORT",
+        help="a prefill instance this decode may read from (repeat); the router registers "
+        "the ones it uses, and a ticket naming any other address is refused",
     )
     add_http_arguments(router)
     parser.set_defaults(func=run)

@@ -11,7 +11,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from transfer.control import convert
 from transfer.control.auth import TlsConfig, channel_credentials, token_metadata
 from transfer.control.errors import ControlError
-from transfer.control.gen import transfer_pb2, transfer_pb2_grpc, worker_pb2_grpc
+from transfer.control.gen import transfer_pb2, transfer_pb2_grpc, worker_pb2, worker_pb2_grpc
 from transfer.control.types import (
     DecodeRequest,
     GenerateRequest,
@@ -33,6 +33,16 @@ class ClientOptions:
     timeout_s: float = 120.0
 
 
+KEEPALIVE_OPTIONS = (
+    # Ping every 10 s on an open call; a peer whose gRPC stack does not answer within 10 s
+    # (dead, frozen, partitioned) fails the call with UNAVAILABLE instead of hanging it.
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 0),
+    ("grpc.http2.max_pings_without_data", 0),
+)
+
+
 class _Client:
     """One channel to `address`, with optional token and TLS; usable as a context manager."""
 
@@ -44,12 +54,12 @@ class _Client:
         tls: TlsConfig | None = None,
         timeout_s: float | None = 10.0,
     ):
+        options = list(KEEPALIVE_OPTIONS)
         if tls is None:
-            self._channel = grpc.insecure_channel(address)
+            self._channel = grpc.insecure_channel(address, options=options)
         else:
-            options = (
-                [("grpc.ssl_target_name_override", tls.server_name)] if tls.server_name else []
-            )
+            if tls.server_name:
+                options.append(("grpc.ssl_target_name_override", tls.server_name))
             self._channel = grpc.secure_channel(address, channel_credentials(tls), options=options)
         self.address = address
         self.timeout_s = timeout_s
@@ -79,14 +89,21 @@ class _Client:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _call(self, method: Callable, request):
+    def _call(self, method: Callable, request, timeout_s: float | None = None):
+        timeout = (
+            self.timeout_s if timeout_s is None else min(timeout_s, self.timeout_s or timeout_s)
+        )
         try:
-            return method(request, timeout=self.timeout_s, metadata=self._metadata)
+            return method(request, timeout=timeout, metadata=self._metadata)
         except grpc.RpcError as err:
             raise _control_error(err) from None
 
-    def _stream(self, method: Callable, request, convert_event: Callable) -> Iterator:
-        call = method(request, timeout=None, metadata=self._metadata)
+    def _stream(
+        self, method: Callable, request, convert_event: Callable, timeout_s: float | None = None
+    ) -> Iterator:
+        """Events of a server stream; `timeout_s` bounds the whole stream (keepalive catches
+        a dead or frozen server before that)."""
+        call = method(request, timeout=timeout_s, metadata=self._metadata)
         try:
             for event in call:
                 yield convert_event(event)
@@ -117,10 +134,11 @@ class TransferClient(_Client):
         )
         return convert.ticket_from_pb(reply)
 
-    def heartbeat(self, request_id: str, holder: str) -> float:
-        """Extend the lease; returns the new deadline (unix seconds)."""
+    def heartbeat(self, request_id: str, holder: str, timeout_s: float | None = None) -> float:
+        """Extend the lease; returns the new deadline (unix seconds). `timeout_s` shortens
+        the call's deadline (the caller's own deadline is nearer)."""
         request = transfer_pb2.HeartbeatRequest(request_id=request_id, holder=holder)
-        return self._call(self._stub.Heartbeat, request).lease_deadline
+        return self._call(self._stub.Heartbeat, request, timeout_s).lease_deadline
 
     def release(
         self, request_id: str, holder: str, block_ids: tuple[int, ...], slot_id: int
@@ -135,10 +153,12 @@ class TransferClient(_Client):
         )
         self._call(self._stub.Release, request)
 
-    def abort(self, request_id: str, reason: str = "") -> None:
-        self._call(
-            self._stub.Abort, transfer_pb2.AbortRequest(request_id=request_id, reason=reason)
+    def abort(self, request_id: str, abort_key: str, reason: str = "") -> None:
+        """Free the ticket now; `abort_key` is the ticket's (PERMISSION_DENIED otherwise)."""
+        request = transfer_pb2.AbortRequest(
+            request_id=request_id, reason=reason, abort_key=abort_key
         )
+        self._call(self._stub.Abort, request)
 
 
 class PrefillClient(_Client):
@@ -156,6 +176,11 @@ class DecodeClient(_Client):
     def __init__(self, address: str, **kwargs):
         super().__init__(address, **kwargs)
         self._stub = worker_pb2_grpc.DecodeServiceStub(self._channel)
+
+    def register_prefill(self, addresses: list[str]) -> None:
+        """Tell the decode instance which prefill instances (HOST:PORT) it may dial."""
+        request = worker_pb2.RegisterPrefillRequest(addresses=list(addresses))
+        self._call(self._stub.RegisterPrefill, request)
 
     def decode(self, request: DecodeRequest) -> Iterator[TokenEvent]:
         return self._stream(

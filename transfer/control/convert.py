@@ -35,6 +35,7 @@ def ticket_to_pb(t: Ticket) -> transfer_pb2.Ticket:
         first_token=t.first_token,
         lease_deadline=t.lease_deadline,
         first_logprob=t.first_logprob,
+        abort_key=t.abort_key,
     )
 
 
@@ -59,6 +60,7 @@ def ticket_from_pb(m: transfer_pb2.Ticket, prefix: str = "") -> Ticket:
         lease_deadline=m.lease_deadline,
         address=m.address,
         first_logprob=m.first_logprob,
+        abort_key=m.abort_key,
     )
 
 

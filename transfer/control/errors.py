@@ -35,6 +35,11 @@ class CompatMismatch(WrongState):
         self.fields = fields
 
 
+class NotPermitted(WrongState):
+    """The caller may not do this to this ticket (Abort without its key, a ticket naming an
+    unknown prefill instance). PERMISSION_DENIED."""
+
+
 class ControlError(PdxferError):
     """A failed control-plane call, as the client sees it.
 
@@ -50,6 +55,7 @@ class ControlError(PdxferError):
 # Most specific first: Closed is a RuntimeError like WrongState, but not a WrongState.
 _CODES: tuple[tuple[type[BaseException], str], ...] = (
     (InvalidInput, "INVALID_ARGUMENT"),
+    (NotPermitted, "PERMISSION_DENIED"),
     (NotFound, "NOT_FOUND"),
     (WrongState, "FAILED_PRECONDITION"),
     (CapacityError, "RESOURCE_EXHAUSTED"),

@@ -41,6 +41,9 @@ TRANSFER_SECONDS_BUCKETS = (
 )
 
 
+BLOCK_RUNS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024)
+
+
 class WorkerMetrics:
     """The public metric names of one worker (see docs/control.md)."""
 
@@ -85,6 +88,17 @@ class WorkerMetrics:
             buckets=TRANSFER_SECONDS_BUCKETS,
             registry=r,
         )
+        self.kv_block_runs = Histogram(
+            "pdxfer_kv_block_runs",
+            "Runs of consecutive KV block ids per allocated request (fragmentation)",
+            buckets=BLOCK_RUNS_BUCKETS,
+            registry=r,
+        )
+        self.kv_block_runs_last = Gauge(
+            "pdxfer_kv_block_runs_last",
+            "Runs of consecutive KV block ids of the latest allocated request",
+            registry=r,
+        )
 
     def track_pools(
         self,
@@ -121,6 +135,13 @@ class WorkerMetrics:
         self.transfer_descriptors.inc(descriptors)
         for kind, nbytes in bytes_by_kind.items():
             self.transfer_bytes.labels(kind=kind).inc(nbytes)
+
+    def record_block_runs(self, runs: int) -> None:
+        """One request's KV blocks came in `runs` runs of consecutive ids (0: no blocks)."""
+        if isinstance(runs, bool) or not isinstance(runs, int) or runs < 0:
+            raise InvalidInput(f"runs: must be an integer >= 0, got {runs!r}")
+        self.kv_block_runs.observe(runs)
+        self.kv_block_runs_last.set(runs)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of this worker's registry."""

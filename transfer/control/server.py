@@ -110,6 +110,16 @@ class _Malformed:
     details: str
 
 
+SERVER_KEEPALIVE_OPTIONS = (
+    # Ping a client every 10 s while a call is open: a dead or frozen caller ends its
+    # stream within 20 s, which runs the handler's cleanup. Clients ping as often.
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.http2.max_ping_strikes", 0),
+)
+
+
 def serve(
     address: str,
     *,
@@ -118,6 +128,7 @@ def serve(
     prefill: Callable[[PrefillRequest], Ticket] | None = None,
     decode: Callable[[DecodeRequest], Iterable[TokenEvent]] | None = None,
     generate: Callable[[GenerateRequest], Iterable[TokenEvent]] | None = None,
+    register_prefill: Callable[[list[str]], None] | None = None,
     token: str | None = None,
     tls: TlsConfig | None = None,
     max_workers: int = 16,
@@ -139,7 +150,9 @@ def serve(
     interceptors = [TokenAuthInterceptor(token)] if token else []
     interceptors.append(MalformedRequestInterceptor())
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=max_workers), interceptors=interceptors
+        futures.ThreadPoolExecutor(max_workers=max_workers),
+        interceptors=interceptors,
+        options=SERVER_KEEPALIVE_OPTIONS,
     )
     services: list[str] = []
     if store is not None:
@@ -148,10 +161,15 @@ def serve(
         )
         services.append(TRANSFER_SERVICE)
     if prefill is not None:
-        worker_pb2_grpc.add_PrefillServiceServicer_to_server(PrefillServicer(prefill), server)
+        abandon = None if store is None else lambda t: store.abort(t.request_id, "caller gone")
+        worker_pb2_grpc.add_PrefillServiceServicer_to_server(
+            PrefillServicer(prefill, abandon), server
+        )
         services.append(PREFILL_SERVICE)
     if decode is not None:
-        worker_pb2_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(decode), server)
+        worker_pb2_grpc.add_DecodeServiceServicer_to_server(
+            DecodeServicer(decode, register_prefill), server
+        )
         services.append(DECODE_SERVICE)
     if generate is not None:
         worker_pb2_grpc.add_RouterServiceServicer_to_server(RouterServicer(generate), server)

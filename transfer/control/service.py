@@ -28,9 +28,11 @@ from transfer.control.types import (
     compat_mismatch,
     validate_compat,
 )
-from transfer.errors import InvalidInput
+from transfer.errors import InvalidInput, WrongState
 
 logger = logging.getLogger(__name__)
+
+MAX_REGISTERED = 1024
 
 
 class TransferServicer(transfer_pb2_grpc.TransferServiceServicer):
@@ -50,13 +52,9 @@ class TransferServicer(transfer_pb2_grpc.TransferServiceServicer):
             raise InvalidInput("compat_hash: does not match the compat fields sent")
         differ = compat_mismatch(self.identity.compat, request.compat)
         if differ:
-            pairs = "; ".join(
-                f"{k}: prefill={self.identity.compat.get(k)!r} decode={request.compat.get(k)!r}"
-                for k in differ
-            )
-            raise CompatMismatch(
-                differ, f"incompatible with prefill instance {self.identity.instance_id!r}: {pairs}"
-            )
+            # The differing fields and what the caller sent, never the prefill's own values.
+            sent = "; ".join(f"{k}: decode sent {request.compat.get(k)!r}" for k in differ)
+            raise CompatMismatch(differ, f"incompatible with this prefill instance: {sent}")
         return convert.handshake_reply_to_pb(self.identity)
 
     def acquire(self, m: transfer_pb2.AcquireRequest) -> transfer_pb2.Ticket:
@@ -73,7 +71,7 @@ class TransferServicer(transfer_pb2_grpc.TransferServiceServicer):
     def abort(self, m: transfer_pb2.AbortRequest) -> transfer_pb2.AbortReply:
         if len(m.reason) > 1024:
             raise InvalidInput("reason: at most 1024 characters")
-        self.store.abort(m.request_id, m.reason)
+        self.store.abort(m.request_id, m.reason, m.abort_key)
         return transfer_pb2.AbortReply()
 
     def Handshake(self, request, context):
@@ -95,22 +93,46 @@ class TransferServicer(transfer_pb2_grpc.TransferServiceServicer):
 class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
     """Hosts `prefill(PrefillRequest) -> Ticket` (the engine's) as PrefillService."""
 
-    def __init__(self, prefill: Callable[[PrefillRequest], Ticket]):
+    def __init__(
+        self,
+        prefill: Callable[[PrefillRequest], Ticket],
+        abandon: Callable[[Ticket], None] | None = None,
+    ):
         self._prefill = prefill
+        self._abandon = abandon
+
+    def prefill(self, m, context: grpc.ServicerContext) -> transfer_pb2.Ticket:
+        ticket = self._prefill(convert.prefill_request_from_pb(m))
+        if self._abandon is not None and not context.is_active():
+            # The caller gave up (cancelled, past its deadline): nobody will use this ticket.
+            self._abandon(ticket)
+        return convert.ticket_to_pb(ticket)
 
     def Prefill(self, request, context):
-        return unary(
-            context,
-            lambda m: convert.ticket_to_pb(self._prefill(convert.prefill_request_from_pb(m))),
-            request,
-        )
+        return unary(context, lambda m: self.prefill(m, context), request)
 
 
 class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
     """Hosts `decode(DecodeRequest) -> Iterable[TokenEvent]` as DecodeService."""
 
-    def __init__(self, decode: Callable[[DecodeRequest], Iterable[TokenEvent]]):
+    def __init__(
+        self,
+        decode: Callable[[DecodeRequest], Iterable[TokenEvent]],
+        register_prefill: Callable[[list[str]], None] | None = None,
+    ):
         self._decode = decode
+        self._register_prefill = register_prefill
+
+    def register(self, m: worker_pb2.RegisterPrefillRequest) -> worker_pb2.RegisterPrefillReply:
+        if self._register_prefill is None:
+            raise WrongState("this decode instance takes prefill peers from --prefill-peers only")
+        if len(m.addresses) > MAX_REGISTERED:
+            raise InvalidInput(f"addresses: at most {MAX_REGISTERED} per call")
+        self._register_prefill(list(m.addresses))
+        return worker_pb2.RegisterPrefillReply()
+
+    def RegisterPrefill(self, request, context):
+        return unary(context, self.register, request)
 
     def Decode(self, request, context):
         yield from stream(

@@ -20,9 +20,11 @@ deadlines arrive in, and a renewed lease is never reaped at its old deadline.
 from __future__ import annotations
 
 import heapq
+import hmac
 import itertools
 import logging
 import math
+import secrets
 import threading
 import time
 from collections import OrderedDict
@@ -30,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from transfer.control.errors import TicketStateError, UnknownRequest
+from transfer.control.errors import NotPermitted, TicketStateError, UnknownRequest
 from transfer.control.types import (
     ControlConfig,
     FreeReason,
@@ -131,6 +133,7 @@ class TicketStore:
                 lease_deadline=self._clock() + lease_s,
                 address=self.address,
                 first_logprob=first_logprob,
+                abort_key=secrets.token_hex(16),
             )
             live = _Live(ticket, holder="", seq=-1)
             self._live[request_id] = live
@@ -189,11 +192,16 @@ class TicketStore:
         self._on_free(ticket, FreeReason.RELEASED)
         return ticket
 
-    def abort(self, request_id: str, reason: str = "") -> Ticket:
-        """Drop a request in any state and free its cache."""
+    def abort(self, request_id: str, reason: str = "", abort_key: str | None = None) -> Ticket:
+        """Drop a request in any state and free its cache. A remote caller must present the
+        ticket's `abort_key` (NotPermitted otherwise); None is a local, trusted call."""
         validate_id(request_id, "request_id")
         with self._cond:
             live = self._get(request_id)
+            if abort_key is not None and not hmac.compare_digest(
+                abort_key.encode(), live.ticket.abort_key.encode()
+            ):
+                raise NotPermitted(f"request {request_id!r}: abort_key does not match its ticket")
             self._remove(live, FreeReason.ABORTED)
         logger.info("aborted request %r%s", request_id, f": {reason}" if reason else "")
         self._on_free(live.ticket, FreeReason.ABORTED)

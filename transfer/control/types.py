@@ -71,6 +71,7 @@ class Ticket:
     lease_deadline: float
     address: str = ""
     first_logprob: float = 0.0  # the first token's log-probability under the model
+    abort_key: str = ""  # Abort must present it (drawn by the prefill instance)
 
 
 @dataclass(frozen=True)

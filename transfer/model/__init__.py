@@ -1,4 +1,5 @@
-"""The tiny hybrid model with real tensor parallelism, reading and writing the cache arena.
+"""The real architectures (Qwen3-Next / Qwen3.5, Kimi-Linear, Nemotron-H) with real tensor
+parallelism, reading and writing the cache arena.
 
 Public API (what workers build on):
 - `RankEngine`: one TP rank's model over its caches; prefill / decode / transfer hooks.

@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from transfer.geometry import ModelGeometry
+from transfer.model.batch import Batch
 from transfer.model.distributed import TPGroup
 from transfer.model.layers.common import Step
 from transfer.model.layers.norms import rms_normalize
@@ -24,13 +25,13 @@ class Residual:
         self.norm, self.eps, self.fn, self.tp = norm, eps, fn, tp
         self.stateless = stateless
 
-    def __call__(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
         h = rms_normalize(x, self.eps) * self.norm
-        return x + self.tp.all_reduce_(self.fn(h) if self.stateless else self.fn(h, step))
+        return x + self.tp.all_reduce_(self.fn(h) if self.stateless else self.fn(h, batch))
 
 
 class CausalLM:
-    """One TP rank of a checkpoint-built model; `forward` is `HybridModel.forward`'s interface.
+    """One TP rank of a checkpoint-built model (a `RankModel`).
 
     The embedding and LM head are replicated; every sublayer is column-parallel in and
     row-parallel out, so each rank holds the full hidden state between sublayers.
@@ -59,12 +60,17 @@ class CausalLM:
         self.lm_head = lm_head
 
     @torch.inference_mode()
+    def forward_batch(self, batch: Batch, all_logits: bool = False) -> torch.Tensor:
+        """The batch's tokens -> fp32 logits [B, vocab] of each sequence's last token
+        ([T, vocab] of every token if all_logits); one all-reduce per sublayer for all B."""
+        x = self.embed[batch.token_ids]
+        for sublayer in self.sublayers:
+            x = sublayer(x, batch)
+        if not all_logits:
+            x = x[batch.last_tokens]
+        return (rms_normalize(x, self.eps) * self.norm) @ self.lm_head.T
+
     def forward(self, token_ids: torch.Tensor, step: Step, all_logits: bool = False):
         """token_ids [T] -> fp32 logits [vocab] of the last token ([T, vocab] if all_logits)."""
-        x = self.embed[token_ids]
-        for sublayer in self.sublayers:
-            x = sublayer(x, step)
-        if not all_logits:
-            x = x[-1:]
-        logits = (rms_normalize(x, self.eps) * self.norm) @ self.lm_head.T
+        logits = self.forward_batch(Batch.from_step(step, token_ids), all_logits)
         return logits if all_logits else logits[0]

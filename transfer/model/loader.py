@@ -1,10 +1,9 @@
 """Build one TP rank's model from a checkpoint directory or a preset name.
 
 - a checkpoint directory: its config.json says the architecture; each rank reads its slices.
-- a real-architecture tiny preset (`tiny-qwen3-next`, `tiny-qwen3.5`): its seeded checkpoint
-  is written once into the cache directory ($PDXFER_CACHE, else ~/.cache/pdxfer) and loaded
-  through the same path. Nothing is ever downloaded.
-- any other tiny preset: the invented `HybridModel` of that geometry.
+- a tiny preset (`TINY_HF_CONFIGS`): its seeded checkpoint is written once into the cache
+  directory ($PDXFER_CACHE, else ~/.cache/pdxfer) and loaded through the same path.
+- a real-size preset has no weights: pass its checkpoint directory. Nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -22,6 +21,7 @@ import torch
 
 from transfer.errors import InvalidInput
 from transfer.geometry import ModelGeometry
+from transfer.model.batch import Batch
 from transfer.model.checkpoint import Checkpoint
 from transfer.model.distributed import TPGroup
 from transfer.model.layers.common import Step
@@ -40,6 +40,8 @@ class RankModel(Protocol):
 
     def forward(self, token_ids: torch.Tensor, step: Step, all_logits: bool = False): ...
 
+    def forward_batch(self, batch: Batch, all_logits: bool = False) -> torch.Tensor: ...
+
 
 def _qwen(checkpoint: Checkpoint, tp: TPGroup, device, geometry, seed) -> RankModel:
     from transfer.model.qwen3_next import QwenHybridLM
@@ -47,8 +49,29 @@ def _qwen(checkpoint: Checkpoint, tp: TPGroup, device, geometry, seed) -> RankMo
     return QwenHybridLM(checkpoint, tp, device, geometry=geometry, seed=seed)
 
 
-# model_type -> builder(checkpoint, tp, device, geometry or None, seed or None)
-ARCHITECTURES: dict[str, Callable[..., RankModel]] = dict.fromkeys(QWEN_MODEL_TYPES, _qwen)
+def _kimi_linear(checkpoint: Checkpoint, tp: TPGroup, device, geometry, seed) -> RankModel:
+    from transfer.model.kimi_linear import build_kimi_linear
+
+    model = build_kimi_linear(checkpoint, geometry, tp, device)
+    model.seed = seed
+    return model
+
+
+def _nemotron_h(checkpoint: Checkpoint, tp: TPGroup, device, geometry, seed) -> RankModel:
+    from transfer.model.nemotron_h import build_nemotron_h
+
+    model = build_nemotron_h(checkpoint, geometry, tp, device)
+    model.seed = seed
+    return model
+
+
+# model_type -> builder(checkpoint, tp, device, geometry or None, seed or None); `seed` only
+# records which tiny weights a model holds.
+ARCHITECTURES: dict[str, Callable[..., RankModel]] = {
+    **dict.fromkeys(QWEN_MODEL_TYPES, _qwen),
+    "kimi_linear": _kimi_linear,
+    "nemotron_h": _nemotron_h,
+}
 # Multimodal Qwen3.5 checkpoints keep the language model under this prefix; vision and MTP
 # weights are never read.
 RENAME = {"model.language_model.": "model."}
@@ -67,7 +90,7 @@ def tiny_checkpoint(name: str, seed: int = 0) -> Path:
     from transfer.model.tiny import write_tiny_checkpoint
 
     if name not in TINY_HF_CONFIGS:
-        raise InvalidInput(f"model: {name!r} is not a tiny real-architecture preset")
+        raise InvalidInput(f"model: {name!r} is not a tiny preset ({', '.join(TINY_HF_CONFIGS)})")
     text = json.dumps([TINY_FORMAT, TINY_HF_CONFIGS[name]], sort_keys=True)
     digest = hashlib.sha256(text.encode()).hexdigest()[:10]
     final = cache_root() / "tiny" / f"{name}-seed{seed}-{digest}"
@@ -122,20 +145,25 @@ def load_model(
     if text in TINY_HF_CONFIGS:
         path = tiny_checkpoint(text, seed)
         return load_checkpoint_model(path, tp, device, geometry=get_preset(text), seed=seed)
-    if text in PRESETS or not looks_like_path(text):
-        from transfer.model.hybrid import HybridModel
-
-        return HybridModel(get_preset(text), tp, seed, device)
+    if text in PRESETS:
+        raise InvalidInput(
+            f"model: preset {text!r} has no weights; pass its checkpoint directory "
+            f"(config.json + *.safetensors), or a tiny preset ({', '.join(TINY_HF_CONFIGS)})"
+        )
+    if not looks_like_path(text):
+        get_preset(text)  # raises, listing the presets
     return load_checkpoint_model(text, tp, device)
 
 
 def model_for_geometry(
     geometry: ModelGeometry, tp: TPGroup, seed: int = 0, device: torch.device | str = "cpu"
 ) -> RankModel:
-    """The model of a preset geometry: the real architecture for the tiny Qwen presets (when
-    `geometry` is exactly that preset), else the invented `HybridModel`."""
+    """The model of a preset geometry: only a tiny preset's (exactly that preset) has weights."""
     if geometry.name in TINY_HF_CONFIGS and geometry == get_preset(geometry.name):
         return load_model(geometry.name, tp, device, seed=seed)
-    from transfer.model.hybrid import HybridModel
-
-    return HybridModel(geometry, tp, seed, device)
+    if geometry.name in PRESETS and geometry.name not in TINY_HF_CONFIGS:
+        load_model(geometry.name, tp, device, seed=seed)  # raises: a real-size preset
+    raise InvalidInput(
+        f"model: no weights for geometry {geometry.name!r} (not a tiny preset's geometry); "
+        "pass a checkpoint directory"
+    )

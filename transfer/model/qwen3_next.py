@@ -13,6 +13,7 @@ import torch
 
 from transfer.errors import InvalidInput
 from transfer.geometry import LayerKind, ModelGeometry, Segment
+from transfer.model.batch import Batch
 from transfer.model.checkpoint import Checkpoint
 from transfer.model.distributed import TPGroup
 from transfer.model.layers.common import Step
@@ -34,16 +35,19 @@ class QwenDecoderLayer:
         self.input_norm = w.full(prefix + "input_layernorm.weight", hidden)
         self.post_norm = w.full(prefix + "post_attention_layernorm.weight", hidden)
 
-    def __call__(self, x: torch.Tensor, step: Step) -> torch.Tensor:
-        x = x + self.tp.all_reduce_(self.mixer(offset_rms_norm(x, self.input_norm, self.eps), step))
+    def __call__(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
+        x = x + self.tp.all_reduce_(
+            self.mixer(offset_rms_norm(x, self.input_norm, self.eps), batch)
+        )
         return x + self.tp.all_reduce_(self.mlp(offset_rms_norm(x, self.post_norm, self.eps)))
 
 
 class QwenHybridLM:
     """TP rank `tp.rank` of a Qwen3-Next / Qwen3.5 checkpoint; `geometry` is its caches'.
 
-    `forward(token_ids [T], step) -> logits [vocab]` of the last token ([T, vocab] with
-    all_logits), fp32 on every rank.
+    `forward_batch(batch) -> logits [B, vocab]` of each sequence's last token, and the
+    per-request `forward(token_ids [T], step) -> logits [vocab]` (a batch of one); fp32 on
+    every rank.
     """
 
     def __init__(
@@ -119,12 +123,17 @@ class QwenHybridLM:
         return self.tp.all_reduce_(logits)
 
     @torch.inference_mode()
+    def forward_batch(self, batch: Batch, all_logits: bool = False) -> torch.Tensor:
+        """The batch's tokens -> fp32 logits [B, vocab] of each sequence's last token
+        ([T, vocab] of every token if all_logits); one all-reduce per sublayer for all B."""
+        x = self._embed(batch.token_ids)
+        for layer in self.layers:
+            x = layer(x, batch)
+        if not all_logits:
+            x = x[batch.last_tokens]
+        return self._logits(offset_rms_norm(x, self.final_norm, self.config.rms_norm_eps))
+
     def forward(self, token_ids: torch.Tensor, step: Step, all_logits: bool = False):
         """token_ids [T] -> logits [vocab] of the last token ([T, vocab] if all_logits)."""
-        x = self._embed(token_ids)
-        for layer in self.layers:
-            x = layer(x, step)
-        if not all_logits:
-            x = x[-1:]
-        logits = self._logits(offset_rms_norm(x, self.final_norm, self.config.rms_norm_eps))
+        logits = self.forward_batch(Batch.from_step(step, token_ids), all_logits)
         return logits if all_logits else logits[0]

@@ -62,10 +62,14 @@ class SlotTable:
         self.phases[slot] = SlotPhase.FREE
         self.filling_blocks.pop(slot, None)
 
-    def begin_prefill(self, slot: int, block_ids: Iterable[int]) -> None:
-        """Check a local prefill may start `slot` from zeros; it becomes READY."""
+    def check_prefill(self, slot: int, block_ids: Iterable[int]) -> None:
+        """Check a local prefill may start `slot` from zeros, changing nothing."""
         self._check_not_filling(slot, block_ids)
         self._check_free(slot, "prefill")
+
+    def begin_prefill(self, slot: int, block_ids: Iterable[int]) -> None:
+        """Check a local prefill may start `slot` from zeros; it becomes READY."""
+        self.check_prefill(slot, block_ids)
         self.phases[slot] = SlotPhase.READY
 
     def check_decode(self, slot: int, block_ids: Iterable[int]) -> None:

@@ -13,15 +13,20 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from transfer.cache.layout import Layout
 from transfer.control.client import ClientOptions, TransferClient
-from transfer.control.errors import ControlError
+from transfer.control.errors import ControlError, NotPermitted
 from transfer.control.metrics import WorkerMetrics
 from transfer.control.types import DecodeRequest, Ticket, TokenEvent
-from transfer.errors import InvalidInput, PdxferError, PeerUnavailable, TransferFailed
+from transfer.errors import (
+    InvalidInput,
+    PdxferError,
+    PeerUnavailable,
+    TransferFailed,
+)
 from transfer.packer import StagingPolicy, TransferRequest, plan_transfer
 from transfer.serving.commands import (
     AddPeers,
@@ -36,11 +41,14 @@ from transfer.serving.commands import (
 )
 from transfer.serving.instance import Instance
 from transfer.serving.rank_protocol import RankCommandError
+from transfer.serving.router import resolve
 from transfer.serving.spec import RankReads, ReadBatch
 
 logger = logging.getLogger(__name__)
 
 POLL_INTERVAL_S = 0.0005
+HANDSHAKE_TIMEOUT_S = 10.0
+ACQUIRED_WAIT_S = 5.0  # longest wait for room while holding a ticket
 SETTLE_POLL_S = 0.5  # how often held caches of failed transfers are checked
 
 
@@ -102,14 +110,18 @@ class DecodeWorker:
         options: ClientOptions | None = None,
         metrics: WorkerMetrics | None = None,
         transfer_deadline_s: float = 60.0,
+        known_prefill: Iterable[str] = (),
     ) -> None:
         self.instance = instance
         self.instance_id = instance_id
         self.options = options or ClientOptions(timeout_s=30.0)
         self.metrics = metrics
         self.transfer_deadline_s = transfer_deadline_s
+        self.heartbeat_s: float | None = None  # None: a third of the lease
         self._peers: dict[str, Peer] = {}
-        self._peer_lock = threading.Lock()
+        self._peer_lock = threading.Lock()  # never held across a call
+        self._known: set[str] = set()
+        self.register_prefill(known_prefill)
         # request id -> slot whose blocks a failed READ may still write: freed once settled.
         self._quarantine: dict[str, int] = {}
         self._quarantine_lock = threading.Lock()
@@ -118,34 +130,54 @@ class DecodeWorker:
 
     # -- handshake ------------------------------------------------------------------------
 
+    def register_prefill(self, addresses: Iterable[str]) -> None:
+        """Prefill instances (HOST:PORT) this instance may dial, besides `known_prefill`."""
+        resolved = [ip for address in addresses for ip in resolve(address)]
+        with self._peer_lock:
+            self._known.update(resolved)
+
+    def _check_known(self, address: str) -> None:
+        with self._peer_lock:
+            known = set(self._known)
+        if address in known or known.intersection(resolve(address)):
+            return
+        raise NotPermitted(
+            f"ticket.address: {address!r} is not a known prefill instance "
+            "(decode --prefill-peers, or registered by the router)"
+        )
+
     def peer(self, address: str, instance_id: str = "") -> Peer:
-        """The handshaken prefill instance at `address` (again if it restarted as another)."""
+        """The handshaken prefill instance at `address` (again if it restarted as another:
+        instance ids carry a boot id). Only known addresses are dialled, and no lock is held
+        across the handshake, so a peer that never answers holds up only its own requests."""
+        self._check_known(address)
         with self._peer_lock:
             peer = self._peers.get(address)
-            if peer is not None and (not instance_id or peer.instance_id == instance_id):
-                return peer
-            client = TransferClient(
-                address,
-                token=self.options.token,
-                tls=self.options.tls,
-                timeout_s=self.options.timeout_s,
-            )
-            try:
-                reply = client.handshake(self.instance_id, self.instance.compat)
-                layouts = tuple(Layout.from_dict(json.loads(b)) for b in reply.rank_layouts)
-                staging = tuple(layout.staging_offset for layout in layouts)
-                metadata = tuple(reply.rank_metadata)
-                self.instance.ranks.call(AddPeers(reply.instance_id, metadata, staging))
-            except RankCommandError as exc:
-                client.close()
-                raise PeerUnavailable(f"connecting to {address}: {exc}") from None
-            except BaseException:
-                client.close()
-                raise
-            peer = Peer(reply.instance_id, address, layouts, client)
-            self._peers[address] = peer
-            logger.info("handshake with %s (%s): tp %d", reply.instance_id, address, len(layouts))
+        if peer is not None and (not instance_id or peer.instance_id == instance_id):
             return peer
+        client = TransferClient(
+            address,
+            token=self.options.token,
+            tls=self.options.tls,
+            timeout_s=min(self.options.timeout_s, HANDSHAKE_TIMEOUT_S),
+        )
+        try:
+            reply = client.handshake(self.instance_id, self.instance.compat)
+            layouts = tuple(Layout.from_dict(json.loads(b)) for b in reply.rank_layouts)
+            staging = tuple(layout.staging_offset for layout in layouts)
+            metadata = tuple(reply.rank_metadata)
+            self.instance.ranks.call(AddPeers(reply.instance_id, metadata, staging))
+        except RankCommandError as exc:
+            client.close()
+            raise PeerUnavailable(f"connecting to {address}: {exc}") from None
+        except BaseException:
+            client.close()
+            raise
+        peer = Peer(reply.instance_id, address, layouts, client)
+        with self._peer_lock:
+            self._peers[address] = peer
+        logger.info("handshake with %s (%s): tp %d", reply.instance_id, address, len(layouts))
+        return peer
 
     def forget(self, address: str) -> None:
         """Handshake again next time (the peer may have restarted). Requests still using the
@@ -169,24 +201,20 @@ class DecodeWorker:
             if _unreachable(exc):
                 self.forget(request.ticket.address)
             raise
-        rid, pools, ranks = ticket.request_id, self.instance.pools, self.instance.ranks
+        rid, ranks = ticket.request_id, self.instance.ranks
         total = ticket.num_tokens + request.max_tokens - 1  # the last token is never fed back
         try:
-            cache = pools.allocate(rid, total)
+            # Short: the ticket's lease runs meanwhile, and prefill holds its cache for us.
+            cache = self.instance.admission.allocate(rid, total, wait_s=ACQUIRED_WAIT_S)
         except (PdxferError, ValueError) as exc:  # full (CapacityError) or too long
-            self._abort(peer, rid, f"decode {self.instance_id}: {exc}")
+            self._abort(peer, ticket, f"decode {self.instance_id}: {exc}")
             raise
         blocks, slot = tuple(cache.block_ids), cache.slot_ids[0]
         released = False
-        settled = True
         try:
             prompt_blocks = blocks[: self.instance.layouts[0].blocks_for(ticket.num_tokens)]
             reads = plan_reads(peer, self.instance.layouts, ticket, prompt_blocks, slot)
-            try:
-                transfer_s = self._transfer(peer, ticket, reads, prompt_blocks, slot)
-            except TransferFailed as exc:
-                settled = exc.settled
-                raise
+            transfer_s = self._transfer(peer, ticket, reads, prompt_blocks, slot)
             if self.instance.config.dump_dir:
                 ranks.call(Snapshot(rid, "decode", blocks, slot, ticket.num_tokens))
             peer.client.release(rid, self.instance_id, ticket.block_ids, ticket.slot_id)
@@ -218,11 +246,24 @@ class DecodeWorker:
                 )
         finally:
             if not released:
-                self._abort(peer, rid, f"decode {self.instance_id} dropped the request")
-            if settled:
-                self._free(rid, slot)
-            else:
-                self._hold_until_settled(rid, slot)
+                self._abort(peer, ticket, f"decode {self.instance_id} dropped the request")
+            self._return_cache(rid, slot)
+
+    def _return_cache(self, rid: str, slot: int) -> None:
+        """The only way a request's blocks and slot go back to the pools, whatever ended it
+        (done, heartbeat or rank error, deadline, abort, client cancel, peer restart): ask
+        every rank to end its transfer, and free only once none of its READs can still
+        land; otherwise hold them until they settle (docs/bugs.md #14). A rank that cannot
+        answer cannot vouch for its READs either, so that also holds."""
+        try:
+            settled = all(self.instance.ranks.call(TransferEnd(rid)))
+        except PdxferError as exc:
+            logger.warning("ending transfer of %r: %s", rid, exc)
+            settled = False
+        if settled:
+            self._free(rid, slot)
+        else:
+            self._hold_until_settled(rid, slot)
 
     def _free(self, rid: str, slot: int) -> None:
         try:
@@ -230,6 +271,7 @@ class DecodeWorker:
         except PdxferError as exc:
             logger.warning("releasing slot %d of %r on the ranks: %s", slot, rid, exc)
         self.instance.pools.free(rid)
+        self.instance.admission.freed()
 
     def _hold_until_settled(self, rid: str, slot: int) -> None:
         """Keep the blocks and slot of `rid` out of the pools until no READ can still land
@@ -266,12 +308,14 @@ class DecodeWorker:
     ) -> float:
         """Post every rank's READs and poll them to DONE; seconds taken (the slowest rank's,
         from posting to done, as the rank measured it). Heartbeats keep the lease while
-        waiting. Raises TransferFailed (the slot stays FILLING until released)."""
+        waiting; the transfer deadline bounds the heartbeats too. Raises TransferFailed
+        or the heartbeat's ControlError; the caller's `_return_cache`
+        decides whether the cache can go back."""
         ranks, rid = self.instance.ranks, ticket.request_id
-        heartbeat_every = max(0.2, (ticket.lease_deadline - time.time()) / 3)
+        heartbeat_every = self.heartbeat_s or max(0.2, (ticket.lease_deadline - time.time()) / 3)
         begin = last_beat = time.perf_counter()
+        deadline = begin + self.transfer_deadline_s
         failure, seconds = "not started", 0.0
-        settled = True
         try:
             ranks.call(TransferStart(rid, peer.instance_id, reads.per_rank, slot, blocks,
                                      self.transfer_deadline_s))  # fmt: skip
@@ -288,16 +332,16 @@ class DecodeWorker:
                 if all(s.state is TransferState.DONE for s in statuses):
                     failure, seconds = "", max(s.seconds for s in statuses)
                     break
+                left = deadline - time.perf_counter()
+                if left <= 0:
+                    failure = f"not done within {self.transfer_deadline_s:g}s"
+                    break
                 if time.perf_counter() - last_beat > heartbeat_every:
-                    peer.client.heartbeat(rid, self.instance_id)
+                    peer.client.heartbeat(rid, self.instance_id, timeout_s=left)
                     last_beat = time.perf_counter()
                 time.sleep(POLL_INTERVAL_S)
         finally:
             seconds = seconds or time.perf_counter() - begin
-            try:
-                settled = all(ranks.call(TransferEnd(rid)))
-            except PdxferError as exc:
-                logger.warning("ending transfer of %r: %s", rid, exc)
             if self.metrics is not None:
                 moved = {"kv": reads.kv_bytes, "state": reads.state_bytes}
                 ok = not failure
@@ -306,16 +350,20 @@ class DecodeWorker:
                 )
         if failure:
             self.forget(peer.address)
+            try:
+                settled = all(ranks.call(TransferEnd(rid)))
+            except PdxferError:
+                settled = False
             raise TransferFailed(
                 f"transfer of {rid!r} from {peer.instance_id} failed: {failure}", settled=settled
             )
         return seconds
 
-    def _abort(self, peer: Peer, request_id: str, reason: str) -> None:
+    def _abort(self, peer: Peer, ticket: Ticket, reason: str) -> None:
         try:
-            peer.client.abort(request_id, reason)
+            peer.client.abort(ticket.request_id, ticket.abort_key, reason)
         except ControlError as exc:
-            logger.info("abort of %r at %s: %s", request_id, peer.address, exc)
+            logger.info("abort of %r at %s: %s", ticket.request_id, peer.address, exc)
 
     def close(self) -> None:
         self._closed.set()

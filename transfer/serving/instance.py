@@ -21,6 +21,7 @@ from transfer.control.types import make_compat
 from transfer.errors import InvalidInput
 from transfer.geometry import ModelGeometry
 from transfer.memplan import MemoryPlan, PagePolicy, plan_memory
+from transfer.serving.admission import Admission
 from transfer.serving.commands import Info
 from transfer.serving.ranks import RankGroup
 from transfer.serving.spec import RankSpec
@@ -40,6 +41,7 @@ class InstanceConfig:
     device: str = "cpu"
     budget_bytes: int = 256 << 20
     max_seqs: int = 16
+    max_queue: int = 32  # requests waiting for room beyond max_seqs
     min_block_size: int = 16
     seed: int = 0
     dump_dir: str | None = None
@@ -57,6 +59,8 @@ class InstanceConfig:
         for name in ("tp", "max_seqs", "min_block_size", "nnodes"):
             if getattr(self, name) < 1:
                 raise InvalidInput(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.max_queue < 0:
+            raise InvalidInput(f"max_queue: must be >= 0, got {self.max_queue}")
         if self.tp % self.nnodes:
             raise InvalidInput(f"nnodes: {self.nnodes} must divide tp {self.tp}")
         if not 0 <= self.node_rank < self.nnodes:
@@ -150,6 +154,7 @@ class Instance:
         self.rank_layouts = tuple(info.layout for info in infos)
         self.layouts = tuple(Layout.from_dict(json.loads(b)) for b in self.rank_layouts)
         self.pools = CachePools.from_plan(self.plan)
+        self.admission = Admission(self.pools, config.max_queue)
         fields = self.layouts[0].compat_fields()
         self.compat = make_compat(**{k: str(v) for k, v in fields.items()})
         logger.info(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 
+from transfer.cache.extents import count_runs
 from transfer.control.metrics import WorkerMetrics
 from transfer.control.tickets import TicketStore
 from transfer.control.types import (
@@ -39,6 +40,7 @@ class PrefillWorker:
     ) -> None:
         self.instance = instance
         self.instance_id = instance_id
+        self.metrics = metrics
         plan = instance.plan
         config = ControlConfig(
             num_kv_blocks=plan.num_kv_blocks,
@@ -70,7 +72,9 @@ class PrefillWorker:
             raise InvalidInput(f"prompt_ids: token ids must be < vocab size {vocab}, got {bad[:5]}")
         num_tokens = len(request.prompt_ids)
         rid = request.request_id
-        cache = self.instance.pools.allocate(rid, num_tokens)  # CapacityError when full
+        cache = self.instance.admission.allocate(rid, num_tokens)
+        if self.metrics is not None:
+            self.metrics.record_block_runs(count_runs(cache.block_ids))
         blocks, slot = tuple(cache.block_ids), cache.slot_ids[0]
         ranks = self.instance.ranks
         try:
@@ -96,6 +100,7 @@ class PrefillWorker:
         except (RankCommandError, RankGroupDead) as exc:
             logger.warning("releasing slot %d of %r on the ranks: %s", slot, request_id, exc)
         self.instance.pools.free(request_id)
+        self.instance.admission.freed()
 
     def close(self) -> None:
         self.store.stop()

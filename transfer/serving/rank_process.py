@@ -12,20 +12,32 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
+import os
 import pickle
 import signal
 import sys
+import threading
+import time
 import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
 from transfer.serving.procs import die_with_parent
-from transfer.serving.rank_protocol import RankFailure, RankLaunch, Stop
+from transfer.serving.rank_protocol import HEARTBEAT_S, RankFailure, RankLaunch, Stop
 
 logger = logging.getLogger(__name__)
 
 # Ranks wait for commands inside a collective; an idle server must not time them out.
 GROUP_TIMEOUT_S = 7 * 24 * 3600.0
+
+
+def _beat(path: str) -> None:
+    """Touch `path` every HEARTBEAT_S: the control process tells a slow rank (still beating,
+    a long command) from a dead or frozen one (silent)."""
+    while True:
+        with contextlib.suppress(OSError), open(path, "a"):
+            os.utime(path)
+        time.sleep(HEARTBEAT_S)
 
 
 def _resolve(build: str):
@@ -36,6 +48,8 @@ def _resolve(build: str):
 def main() -> int:
     launch: RankLaunch = pickle.load(sys.stdin.buffer)
     die_with_parent(launch.parent_pid)
+    if launch.heartbeat:
+        threading.Thread(target=_beat, args=(launch.heartbeat,), daemon=True).start()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the control process decides when to stop
     spec = launch.spec
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{spec.rank} %(message)s")

@@ -40,6 +40,9 @@ class Stop(RankCommand[None]):
         return None
 
 
+HEARTBEAT_S = 1.0  # how often a rank process says it lives
+
+
 @dataclass(frozen=True)
 class RankLaunch:
     """What a rank process reads on stdin before anything else."""
@@ -49,6 +52,7 @@ class RankLaunch:
     dist_init: str | None  # gloo/nccl rendezvous ("tcp://host:port") when tp > 1
     parent_pid: int
     conn_fd: int | None = None  # rank 0's end of the command connection
+    heartbeat: str | None = None  # a file the rank touches every HEARTBEAT_S while it lives
 
 
 # The error kinds a rank failure keeps across the process boundary, most specific first.

@@ -15,12 +15,15 @@ benchmark's rank host hands rank 0 an authenticated socket).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import pickle
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -30,6 +33,7 @@ from typing import Any, TypeVar
 
 from transfer.net import free_port
 from transfer.serving.rank_protocol import (
+    HEARTBEAT_S,
     RankCommand,
     RankFailure,
     RankGroupDead,
@@ -42,6 +46,9 @@ R = TypeVar("R")
 ROOT = str(Path(__file__).resolve().parents[2])
 RANK_ARGV = (sys.executable, "-m", "transfer.serving.rank_process")
 STOP_TIMEOUT_S = 10.0
+HEARTBEAT_WINDOW_S = 10 * HEARTBEAT_S  # a rank silent this long is frozen or dead
+
+logger = logging.getLogger(__name__)
 
 Wrap = Callable[[list[str]], list[str]]
 
@@ -56,9 +63,12 @@ def rank_env() -> dict[str, str]:
 class RankLink:
     """The control side of the connection to rank 0: typed calls with timeouts."""
 
-    def __init__(self, conn: Connection, label: str = "ranks") -> None:
+    def __init__(
+        self, conn: Connection, label: str = "ranks", beating: Callable[[], bool] | None = None
+    ) -> None:
         self.conn = conn
         self.label = label
+        self.beating = beating  # whether every rank still beats (None: no heartbeats)
         self.dead = ""
         self._lock = threading.Lock()
 
@@ -78,10 +88,22 @@ class RankLink:
     def receive(self, what: str, timeout_s: float) -> list[Any]:
         """The next per-rank results (the answer to `what`)."""
         try:
-            if not self.conn.poll(timeout_s):
-                self.dead = f"{self.label}: no answer to {what} within {timeout_s:g}s"
-                raise RankGroupDead(self.dead)
+            waited, warned = 0.0, False
+            while not self.conn.poll(min(timeout_s, HEARTBEAT_WINDOW_S)):
+                waited += min(timeout_s, HEARTBEAT_WINDOW_S)
+                if waited < timeout_s:
+                    continue
+                # Past the timeout: slow is not dead. Wait on while every rank beats.
+                if self.beating is None or not self.beating():
+                    self.dead = f"{self.label}: no answer to {what} within {waited:g}s"
+                    raise RankGroupDead(self.dead)
+                if not warned:
+                    logger.warning("%s: %s is slow (%.0fs); every rank still beats",
+                                   self.label, what, waited)  # fmt: skip
+                    warned = True
             results = self.conn.recv()
+        except RankGroupDead:
+            raise
         except (EOFError, OSError) as exc:
             self.dead = f"{self.label}: rank processes died during {what} ({type(exc).__name__})"
             raise RankGroupDead(self.dead) from None
@@ -129,6 +151,8 @@ class RankGroup:
             dist_init = f"tcp://127.0.0.1:{free_port()}"
         self.link: RankLink | None = None
         self.procs: list[subprocess.Popen] = []
+        self._beats = tempfile.mkdtemp(prefix="pdxfer-beats-")
+        self._beat_paths: list[str] = []
         self.ready: list[Any] | None = None
         try:
             for spec in specs:
@@ -145,7 +169,7 @@ class RankGroup:
             theirs = rank0_socket
             if theirs is None:
                 ours, theirs = socket.socketpair()
-                self.link = RankLink(Connection(ours.detach()), label)
+                self.link = RankLink(Connection(ours.detach()), label, self.beating)
         fds = (theirs.fileno(),) if theirs is not None else ()
         argv = list(RANK_ARGV)
         proc = subprocess.Popen(
@@ -153,7 +177,9 @@ class RankGroup:
             pass_fds=fds,
         )  # fmt: skip
         self.procs.append(proc)
-        launch = RankLaunch(spec, build, dist_init, os.getpid(), fds[0] if fds else None)
+        beat = os.path.join(self._beats, f"rank{spec.rank}")
+        self._beat_paths.append(beat)
+        launch = RankLaunch(spec, build, dist_init, os.getpid(), fds[0] if fds else None, beat)
         try:
             pickle.dump(launch, proc.stdin, protocol=pickle.HIGHEST_PROTOCOL)
             proc.stdin.close()
@@ -162,6 +188,18 @@ class RankGroup:
         finally:
             if theirs is not None:
                 theirs.close()  # the child holds it; EOF on ours then means it died
+
+    def beating(self) -> bool:
+        """Whether every rank process here touched its heartbeat file lately (a frozen or
+        dead one has not)."""
+        now = time.time()
+        for proc, path in zip(self.procs, self._beat_paths, strict=True):
+            try:
+                if now - os.stat(path).st_mtime > HEARTBEAT_WINDOW_S or proc.poll() is not None:
+                    return False
+            except OSError:
+                return False
+        return True
 
     @property
     def alive(self) -> bool:
@@ -188,6 +226,7 @@ class RankGroup:
         if self.link is not None:
             self.link.stop()
         self.join(timeout_s)
+        shutil.rmtree(self._beats, ignore_errors=True)
         for proc in self.procs:
             for sig in (signal.SIGTERM, signal.SIGKILL):
                 if proc.poll() is not None:

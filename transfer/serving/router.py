@@ -26,14 +26,19 @@ from transfer.control.types import (
     GenerateRequest,
     PrefillRequest,
     SamplingParams,
+    Ticket,
     TokenEvent,
 )
 
 logger = logging.getLogger(__name__)
 
-RETRY_CODES = frozenset(
-    {"UNAVAILABLE", "DEADLINE_EXCEEDED", "INTERNAL", "UNKNOWN", "RESOURCE_EXHAUSTED", "ABORTED"}
-)
+# A prefill failing with these may succeed on another instance. A prefill that timed out
+# may still publish; the prefill instance frees a ticket whose caller has gone.
+RETRY_CODES = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED"})
+# A decode failing with these before its first token is run again (prefill included).
+# PERMISSION_DENIED: a restarted decode instance that no longer knows the prefill.
+DECODE_RETRY_CODES = frozenset({"UNAVAILABLE", "ABORTED", "PERMISSION_DENIED"})
+DECODE_ATTEMPTS = 2
 UNSPECIFIED_HOSTS = frozenset({"", "0.0.0.0", "::", "[::]"})
 HEALTH_TIMEOUT_S = 2.0
 
@@ -77,6 +82,11 @@ class RouterMetrics:
         self.prefill_retries = Counter(
             "pdxfer_router_prefill_retries",
             "Prefill calls retried on another instance",
+            registry=self.registry,
+        )
+        self.decode_retries = Counter(
+            "pdxfer_router_decode_retries",
+            "Requests run again after a decode failed before its first token",
             registry=self.registry,
         )
 
@@ -144,6 +154,7 @@ class Router:
         self._decode = _Pool(decode, lambda t, a: DecodeClient(t, **self._kwargs(a)))
         self._transfer_lock = threading.Lock()
         self._transfer_clients: dict[str, TransferClient] = {}
+        self._registered: set[tuple[str, str]] = set()  # (decode target, prefill address)
         health = {"timeout_s": HEALTH_TIMEOUT_S}
         self._health = (
             _Pool(prefill, lambda t, a: TransferClient(t, **self._kwargs(a, **health))),
@@ -159,30 +170,50 @@ class Router:
         return {"token": self.options.token, "tls": tls, "timeout_s": timeout}
 
     def generate(self, request: GenerateRequest) -> Iterator[TokenEvent]:
-        """Stream the request's tokens; the first event's `ttft_ms` is measured here."""
+        """Stream the request's tokens; the first event's `ttft_ms` is measured here. A decode
+        that fails before the first token, for a reason a retry may not share (its transfer
+        failed, an instance went away), is run once more from prefill on the next instances."""
         start = time.perf_counter()
         status = "failed"
-        ticket = None
-        first = True
         if request.sampling.seed is None and not request.sampling.greedy:
             # One seed for both sides, so the request's tokens are one stream.
             seeded = replace(request.sampling, seed=secrets.randbits(63))
             request = replace(request, sampling=seeded)
         try:
-            ticket, prefill_at = self._run_prefill(request)
-            if ticket.address.rpartition(":")[0] in UNSPECIFIED_HOSTS:
-                ticket = replace(ticket, address=prefill_at)
-            for event in self._run_decode(ticket, request.max_tokens, request.sampling):
-                if first:
-                    event = replace(event, ttft_ms=(time.perf_counter() - start) * 1e3)
-                    first = False
-                yield event
+            for attempt in range(DECODE_ATTEMPTS):
+                first = True
+                try:
+                    for event in self._attempt(request):
+                        if first:
+                            event = replace(event, ttft_ms=(time.perf_counter() - start) * 1e3)
+                            first = False
+                        yield event
+                    break
+                except ControlError as exc:
+                    last = attempt + 1 == DECODE_ATTEMPTS
+                    if not first or exc.code not in DECODE_RETRY_CODES or last:
+                        raise
+                    logger.warning("request %r failed before its first token (%s); retrying",
+                                   request.request_id, exc)  # fmt: skip
+                    self.metrics.decode_retries.inc()
+                    self._decode.forget()
             status = "ok"
         finally:
             self.metrics.requests.labels(status=status).inc()
-            if ticket is not None and first:
+
+    def _attempt(self, request: GenerateRequest) -> Iterator[TokenEvent]:
+        ticket, prefill_at = self._run_prefill(request)
+        if ticket.address.rpartition(":")[0] in UNSPECIFIED_HOSTS:
+            ticket = replace(ticket, address=prefill_at)
+        first = True
+        try:
+            for event in self._run_decode(ticket, request.max_tokens, request.sampling):
+                first = False
+                yield event
+        finally:
+            if first:
                 # Nothing reached the caller: free the prefill cache now, not at lease end.
-                self._abort(ticket.address, ticket.request_id, "router dropped the request")
+                self._abort(ticket, "router dropped the request")
 
     def is_ready(self) -> bool:
         """Whether at least one prefill and one decode instance answer health SERVING."""
@@ -192,14 +223,14 @@ class Router:
         prefill = PrefillRequest(
             request.request_id, request.prompt_ids, request.max_tokens, request.sampling
         )
-        errors = []
+        last: ControlError | None = None
         for target, client in self._prefill.order():
             try:
                 return client.prefill(prefill), target
             except ControlError as exc:
                 if exc.code not in RETRY_CODES:
-                    raise
-                errors.append(f"{target}: {exc}")
+                    raise  # the caller's input, or a limit it can never fit: no retry helps
+                last = exc
                 logger.warning(
                     "prefill of %r failed on %s (%s); trying another instance",
                     request.request_id,
@@ -207,9 +238,11 @@ class Router:
                     exc,
                 )
                 self.metrics.prefill_retries.inc()
-                self._prefill.forget()
-                self._abort(target, request.request_id, "prefill retried elsewhere")
-        raise ControlError("UNAVAILABLE", "every prefill instance failed: " + "; ".join(errors))
+                if exc.code != "RESOURCE_EXHAUSTED":
+                    self._prefill.forget()
+        if last is None:
+            raise ControlError("UNAVAILABLE", "no prefill instance resolved")
+        raise last  # every instance failed: the last one's code (RESOURCE_EXHAUSTED if all full)
 
     def _run_decode(
         self, ticket, max_tokens: int, sampling: SamplingParams
@@ -217,18 +250,36 @@ class Router:
         targets = self._decode.order()
         if not targets:
             raise ControlError("UNAVAILABLE", "no decode instance resolved")
-        _, client = targets[0]
-        yield from client.decode(DecodeRequest(ticket, max_tokens, sampling))
+        target, client = targets[0]
+        self._register(target, client, ticket.address)
+        try:
+            yield from client.decode(DecodeRequest(ticket, max_tokens, sampling))
+        except ControlError:
+            with self._transfer_lock:  # it may have restarted and forgotten: register again
+                self._registered.discard((target, ticket.address))
+            raise
 
-    def _abort(self, address: str, request_id: str, reason: str) -> None:
+    def _register(self, target: str, client: DecodeClient, prefill_address: str) -> None:
+        """Vouch for a prefill instance this router called, once per decode instance: a
+        decode dials only the prefill addresses it was given (docs/workers.md)."""
+        key = (target, prefill_address)
+        with self._transfer_lock:
+            if key in self._registered:
+                return
+        client.register_prefill([prefill_address])
+        with self._transfer_lock:
+            self._registered.add(key)
+
+    def _abort(self, ticket: Ticket, reason: str) -> None:
         """Best effort: a dead prefill instance has freed everything anyway."""
+        address, request_id = ticket.address, ticket.request_id
         try:
             with self._transfer_lock:
                 client = self._transfer_clients.get(address)
                 if client is None:
                     client = TransferClient(address, **self._kwargs(address, timeout_s=5.0))
                     self._transfer_clients[address] = client
-            client.abort(request_id, reason)
+            client.abort(request_id, ticket.abort_key, reason)
         except (ControlError, ValueError) as exc:
             logger.info("abort of %r at %s: %s", request_id, address, exc)
 

@@ -13,6 +13,7 @@ import fcntl
 import ipaddress
 import logging
 import os
+import secrets
 import signal
 import socket
 import struct
@@ -75,6 +76,28 @@ def interface_of(host: str) -> str | None:
     raise ValueError(f"--data-host: no local interface has address {ip}")
 
 
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+def check_exposure(args: argparse.Namespace, token: str | None, tls) -> None:
+    """Serving beyond this machine needs a token or mutual TLS: without either, anyone who
+    reaches the port gets the arena's transport metadata and can drive the ranks. ValueError
+    (exit 2) unless `--insecure`."""
+    hosts = [args.host, getattr(args, "data_host", None) or args.host]
+    exposed = [h for h in hosts if not is_loopback(h)]
+    mutual = tls is not None and tls.ca is not None
+    if exposed and not (token or mutual) and not getattr(args, "insecure", False):
+        raise ValueError(
+            f"--host {exposed[0]}: serving a non-loopback address needs --auth-token-file "
+            "(or PDXFER_AUTH_TOKEN) or mutual TLS (--tls-cert/--tls-key/--tls-ca); "
+            "--insecure serves it without"
+        )
+
+
 def advertised_host(host: str) -> str:
     """The host to put in tickets: the bind address, or this machine's address for 0.0.0.0."""
     if host in ("0.0.0.0", "::", ""):
@@ -107,6 +130,7 @@ def serve(args: argparse.Namespace) -> int:
     stop = _install_stop()
     token = auth_token(args)
     server_tls, client_tls = tls_configs(args)
+    check_exposure(args, token, server_tls)
     if args.role == "router":
         return _serve_router(args, token, server_tls, client_tls, stop)
     return _serve_worker(args, token, server_tls, client_tls, stop)
@@ -120,7 +144,7 @@ def _announce(role: str, server, metrics_server) -> None:
 
 def _threads(args) -> int:
     """gRPC handler threads: a streaming call holds one for its whole life."""
-    return max(16, 2 * args.max_seqs + 8)
+    return max(16, 2 * args.max_seqs + getattr(args, "max_queue", 0) + 8)
 
 
 def _metrics(args, metrics):
@@ -212,13 +236,14 @@ def instance_config(args: argparse.Namespace):
         device=args.device,
         budget_bytes=parse_size(args.gpu_mem, "--gpu-mem"),
         max_seqs=args.max_seqs,
+        max_queue=getattr(args, "max_queue", 32),
         min_block_size=args.block_size,
         seed=args.seed,
         dump_dir=getattr(args, "dump_dir", None),
         nnodes=args.nnodes,
         node_rank=args.node_rank,
         dist_addr=args.dist_addr,
-        net_device=interface_of(args.data_host) if args.data_host else None,
+        net_device=interface_of(args.data_host or args.host),
     )
 
 
@@ -248,7 +273,9 @@ def _serve_worker(args, token, server_tls, client_tls, stop: threading.Event) ->
     # Tickets and handshakes name this instance by its address, so pick the port first.
     port = args.port or free_port(args.host)
     address = join_address(advertised_host(args.host), port)
-    instance_id = args.instance_id or address
+    # A boot id makes every process start a new instance: a peer that restarted at the same
+    # address is told apart at the handshake, never mistaken for the one it replaced.
+    instance_id = f"{args.instance_id or address}/{secrets.token_hex(4)}"
     bind = join_address(args.host, port)
     closers = []
     try:
@@ -266,9 +293,16 @@ def _serve_worker(args, token, server_tls, client_tls, stop: threading.Event) ->
             worker.start()
         else:
             options = ClientOptions(token, client_tls)
-            worker = DecodeWorker(instance, instance_id, options, metrics)
+            worker = DecodeWorker(
+                instance, instance_id, options, metrics, known_prefill=args.prefill_peers
+            )
             server = serve_control(
-                bind, decode=worker.decode, token=token, tls=server_tls, max_workers=_threads(args)
+                bind,
+                decode=worker.decode,
+                register_prefill=worker.register_prefill,
+                token=token,
+                tls=server_tls,
+                max_workers=_threads(args),
             )
         closers.append(worker.close)
         metrics_server = _metrics(args, metrics)

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Ticket(_message.Message):
-    __slots__ = ("request_id", "instance_id", "address", "block_ids", "slot_id", "num_tokens", "first_token", "lease_deadline", "first_logprob")
+    __slots__ = ("request_id", "instance_id", "address", "block_ids", "slot_id", "num_tokens", "first_token", "lease_deadline", "first_logprob", "abort_key")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class Ticket(_message.Message):
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     LEASE_DEADLINE_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    ABORT_KEY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     instance_id: str
     address: str
@@ -26,7 +27,8 @@ class Ticket(_message.Message):
     first_token: int
     lease_deadline: float
     first_logprob: float
-    def __init__(self, request_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., slot_id: _Optional[int] = ..., num_tokens: _Optional[int] = ..., first_token: _Optional[int] = ..., lease_deadline: _Optional[float] = ..., first_logprob: _Optional[float] = ...) -> None: ...
+    abort_key: str
+    def __init__(self, request_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., slot_id: _Optional[int] = ..., num_tokens: _Optional[int] = ..., first_token: _Optional[int] = ..., lease_deadline: _Optional[float] = ..., first_logprob: _Optional[float] = ..., abort_key: _Optional[str] = ...) -> None: ...
 
 class HandshakeRequest(_message.Message):
     __slots__ = ("instance_id", "compat", "compat_hash")
@@ -105,12 +107,14 @@ class ReleaseReply(_message.Message):
     def __init__(self) -> None: ...
 
 class AbortRequest(_message.Message):
-    __slots__ = ("request_id", "reason")
+    __slots__ = ("request_id", "reason", "abort_key")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    ABORT_KEY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     reason: str
-    def __init__(self, request_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+    abort_key: str
+    def __init__(self, request_id: _Optional[str] = ..., reason: _Optional[str] = ..., abort_key: _Optional[str] = ...) -> None: ...
 
 class AbortReply(_message.Message):
     __slots__ = ()

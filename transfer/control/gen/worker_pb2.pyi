@@ -7,6 +7,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class RegisterPrefillRequest(_message.Message):
+    __slots__ = ("addresses",)
+    ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    addresses: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, addresses: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RegisterPrefillReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class Sampling(_message.Message):
     __slots__ = ("temperature", "top_p", "seed")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]

@@ -113,6 +113,11 @@ class DecodeServiceStub:
                 request_serializer=pdxfer_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=pdxfer_dot_v1_dot_worker__pb2.TokenEvent.FromString,
                 _registered_method=True)
+        self.RegisterPrefill = channel.unary_unary(
+                '/pdxfer.v1.DecodeService/RegisterPrefill',
+                request_serializer=pdxfer_dot_v1_dot_worker__pb2.RegisterPrefillRequest.SerializeToString,
+                response_deserializer=pdxfer_dot_v1_dot_worker__pb2.RegisterPrefillReply.FromString,
+                _registered_method=True)
 
 
 class DecodeServiceServicer:
@@ -126,6 +131,14 @@ class DecodeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RegisterPrefill(self, request, context):
+        """Adds prefill instances (HOST:PORT) this decode instance may dial: it refuses
+        a ticket naming any other address. The router registers the ones it knows.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -133,6 +146,11 @@ def add_DecodeServiceServicer_to_server(servicer, server):
                     servicer.Decode,
                     request_deserializer=pdxfer_dot_v1_dot_worker__pb2.DecodeRequest.FromString,
                     response_serializer=pdxfer_dot_v1_dot_worker__pb2.TokenEvent.SerializeToString,
+            ),
+            'RegisterPrefill': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterPrefill,
+                    request_deserializer=pdxfer_dot_v1_dot_worker__pb2.RegisterPrefillRequest.FromString,
+                    response_serializer=pdxfer_dot_v1_dot_worker__pb2.RegisterPrefillReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -162,6 +180,33 @@ class DecodeService:
             '/pdxfer.v1.DecodeService/Decode',
             pdxfer_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
             pdxfer_dot_v1_dot_worker__pb2.TokenEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterPrefill(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdxfer.v1.DecodeService/RegisterPrefill',
+            pdxfer_dot_v1_dot_worker__pb2.RegisterPrefillRequest.SerializeToString,
+            pdxfer_dot_v1_dot_worker__pb2.RegisterPrefillReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,18 +1,12 @@
-"""Pieces every layer shares: the step context, norms, RoPE, attention, paged KV, the MLP."""
+"""Pieces the layers share: the step context, causal attention, paged KV reads and writes."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from transfer.geometry import Segment
 from transfer.model.caches import CacheAccess
-from transfer.model.weights import WeightSource, shard_cols, shard_rows
-
-NORM_EPS = 1e-6
-ROPE_THETA = 10000.0
 
 
 @dataclass(frozen=True)
@@ -30,21 +24,6 @@ class Step:
     block_ids: torch.Tensor
     slot: int
     caches: CacheAccess | None
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Normalise over the last dim (`weight` has that size)."""
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + NORM_EPS) * weight
-
-
-def rope(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE over the last dim of x [T, H, D] at `positions` [T]."""
-    half = x.shape[-1] // 2
-    inv_freq = ROPE_THETA ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)
-    angles = positions.to(torch.float32)[:, None] * inv_freq  # [T, half]
-    cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
 def attend(
@@ -88,18 +67,3 @@ def paged_read(cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> tor
     positions = torch.arange(length, device=block_ids.device)
     blocks, offsets = paged_index(block_ids, positions, cache.shape[1])
     return cache[blocks, offsets].to(torch.float32)
-
-
-class MLP:
-    """SwiGLU; gate/up column-parallel, down row-parallel (the caller all-reduces)."""
-
-    def __init__(self, prefix: str, hidden: int, inter: int, tp: int, rank: int, w: WeightSource):
-        ffn = Segment("ffn", inter, 1)
-        gate = shard_rows(w.linear(prefix + "gate", inter, hidden), ffn, tp, rank)
-        up = shard_rows(w.linear(prefix + "up", inter, hidden), ffn, tp, rank)
-        self.gate_up = w.place(torch.cat([gate, up]))
-        self.down = w.place(shard_cols(w.linear(prefix + "down", hidden, inter), ffn, tp, rank))
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = (x @ self.gate_up.T).chunk(2, dim=-1)
-        return (F.silu(gate) * up) @ self.down.T

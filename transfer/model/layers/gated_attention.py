@@ -10,9 +10,11 @@ from __future__ import annotations
 import torch
 
 from transfer.geometry import LayerSpec, Segment
-from transfer.model.layers.common import Step, attend, paged_read, paged_write
+from transfer.model.batch import Batch
+from transfer.model.layers.common import attend
 from transfer.model.layers.norms import offset_rms_norm
 from transfer.model.layers.rope import PartialRope
+from transfer.model.layers.varlen import sequence_keys, write_kv
 from transfer.model.rank_weights import RankWeights
 
 
@@ -56,26 +58,26 @@ class GatedAttention:
                 o_bias if w.rank == 0 else torch.zeros_like(o_bias),  # added once by the sum
             )
 
-    def __call__(self, x: torch.Tensor, step: Step) -> torch.Tensor:
-        """x [T, hidden] -> partial output [T, hidden]; writes the T tokens' K/V."""
+    def __call__(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """x [T, hidden] -> partial output [T, hidden]; writes the T tokens' K/V, then each
+        sequence attends causally over its context and new tokens."""
         T, D = x.shape[0], self.head_dim
         q, gate, k, v = (x @ p.T for p in (self.q_proj, self.gate_proj, self.k_proj, self.v_proj))
         if self.biases is not None:
             q, gate, k, v = (t + b for t, b in zip((q, gate, k, v), self.biases, strict=False))
-        q = self.rope(offset_rms_norm(q.view(T, -1, D), self.q_norm, self.eps), step.positions)
-        k = self.rope(offset_rms_norm(k.view(T, -1, D), self.k_norm, self.eps), step.positions)
+        q = self.rope(offset_rms_norm(q.view(T, -1, D), self.q_norm, self.eps), batch.positions)
+        k = self.rope(offset_rms_norm(k.view(T, -1, D), self.k_norm, self.eps), batch.positions)
         v = v.view(T, -1, D)
-        keys, values, key_pos = k, v, step.positions
-        if step.caches is not None:
-            k_cache = step.caches.kv(self.index, "k")
-            v_cache = step.caches.kv(self.index, "v")
-            paged_write(k_cache, step.block_ids, step.positions, k)
-            paged_write(v_cache, step.block_ids, step.positions, v)
-            if not step.prefill:
-                length = int(step.positions[-1]) + 1
-                keys = paged_read(k_cache, step.block_ids, length)
-                values = paged_read(v_cache, step.block_ids, length)
-                key_pos = torch.arange(length, device=x.device)
-        o = attend(q, keys, values, step.positions, key_pos, D**-0.5)
+        k_cache = v_cache = None
+        if batch.caches is not None:
+            k_cache, v_cache = batch.caches.kv(self.index, "k"), batch.caches.kv(self.index, "v")
+            write_kv(batch, k_cache, k)
+            write_kv(batch, v_cache, v)
+        o = q.new_empty(q.shape)
+        for i in range(batch.num_sequences):
+            span = batch.span(i)
+            keys, key_pos = sequence_keys(batch, i, k_cache, k)
+            values, _ = sequence_keys(batch, i, v_cache, v)
+            o[span] = attend(q[span], keys, values, batch.positions[span], key_pos, D**-0.5)
         out = (o.reshape(T, -1) * torch.sigmoid(gate)) @ self.o_proj.T
         return out if self.biases is None else out + self.biases[4]

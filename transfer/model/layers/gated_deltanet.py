@@ -16,10 +16,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import causal_conv1d, causal_conv1d_update, chunk_gdn, recurrent_gdn
+from kernels import chunk_gdn, recurrent_gdn
 from transfer.geometry import LayerSpec, Segment
-from transfer.model.layers.common import Step
+from transfer.model.batch import Batch, Part
 from transfer.model.layers.norms import gated_rms_norm
+from transfer.model.layers.varlen import scan, short_conv
 from transfer.model.rank_weights import RankWeights
 
 
@@ -82,40 +83,27 @@ class GatedDeltaNet:
         b, a = ba.view(-1, 2 * r, hidden).split([r, r], dim=1)
         self.in_b, self.in_a = b.reshape(-1, hidden), a.reshape(-1, hidden)
 
-    def __call__(self, x: torch.Tensor, step: Step) -> torch.Tensor:
-        """x [T, hidden] -> partial output [T, hidden]; writes the slot's S and conv."""
-        T = x.shape[0]
-        qkv = x @ self.in_qkv.T
-        caches, slot = step.caches, step.slot
-        if step.prefill:
-            mixed, conv_final = causal_conv1d(
-                qkv[None], self.conv_weight, output_final_state=caches is not None
-            )
-            mixed = mixed[0]
-        else:
-            window = caches.conv(self.index, "conv")[slot : slot + 1]
-            mixed = causal_conv1d_update(qkv, window, self.conv_weight)
+    def __call__(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """x [T, hidden] -> partial output [T, hidden]; reads and writes the slots' S and conv."""
+        T, caches = x.shape[0], batch.caches
+        conv = None if caches is None else caches.conv(self.index, "conv")
+        mixed = short_conv(x @ self.in_qkv.T, batch, conv, self.conv_weight)
         q, k, v = mixed.split(self.splits, dim=-1)
-        q = q.reshape(1, T, -1, self.k_dim).contiguous()
-        k = k.reshape(1, T, -1, self.k_dim).contiguous()
-        v = v.reshape(1, T, -1, self.v_dim).contiguous()
-        beta = torch.sigmoid(x @ self.in_b.T)[None]
-        g = (-self.a_log.exp() * F.softplus(x @ self.in_a.T + self.dt_bias))[None]
-        if step.prefill:
-            o, state = chunk_gdn(
-                q, k, v, g, beta, output_final_state=caches is not None, use_qk_l2norm=True
-            )
-            if caches is not None:
-                caches.ssm(self.index)[slot].copy_(state[0])
-                caches.conv(self.index, "conv")[slot].copy_(conv_final[0])
-        else:
-            ssm = caches.ssm(self.index)
-            o, state = recurrent_gdn(
-                q, k, v, g, beta,
-                initial_state=ssm[slot : slot + 1].float().contiguous(),
-                output_final_state=True, use_qk_l2norm=True,
-            )  # fmt: skip
-            ssm[slot].copy_(state[0])
+        q, k = q.reshape(T, -1, self.k_dim), k.reshape(T, -1, self.k_dim)
+        v = v.reshape(T, -1, self.v_dim)
+        beta = torch.sigmoid(x @ self.in_b.T)
+        g = -self.a_log.exp() * F.softplus(x @ self.in_a.T + self.dt_bias)
+        ssm = None if caches is None else caches.ssm(self.index)
+        o = scan(batch, ssm, (q, k, v, g, beta), _delta_rule)
         z = (x @ self.in_z.T).view(T, -1, self.v_dim)
-        o = gated_rms_norm(o[0], z, self.norm, self.eps)
+        o = gated_rms_norm(o, z, self.norm, self.eps)
         return o.reshape(T, -1) @ self.out_proj.T
+
+
+def _delta_rule(part: Part, inputs, initial_state):
+    kernel = chunk_gdn if part.chunked else recurrent_gdn
+    q, k, v, g, beta = (t.contiguous() for t in inputs)
+    return kernel(
+        q, k, v, g, beta, initial_state=initial_state, output_final_state=True,
+        use_qk_l2norm=True, cu_seqlens=part.cu_seqlens,
+    )  # fmt: skip

@@ -9,10 +9,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import causal_conv1d, causal_conv1d_update, chunk_kda, recurrent_kda
+from kernels import chunk_kda, recurrent_kda
 from transfer.geometry import KDASpec, Segment
-from transfer.model.layers.common import Step
+from transfer.model.batch import Batch, Part
 from transfer.model.layers.norms import rms_normalize
+from transfer.model.layers.varlen import scan, short_conv
 from transfer.model.rank_weights import RankWeights
 
 QKV = ("q", "k", "v")
@@ -45,44 +46,30 @@ class KimiDeltaAttention:
         self.o_norm = w.full(prefix + "o_norm.weight", (D,))
         self.o_proj = w.cols(prefix + "o_proj.weight", channels, (hidden, H * D))
 
-    def __call__(self, x: torch.Tensor, step: Step) -> torch.Tensor:
-        """x [T, hidden] -> this rank's partial output [T, hidden]."""
-        T, D = x.shape[0], self.head_dim
-        q, k, v = (self._conv(x @ self.proj[n].T, n, step).view(1, T, -1, D) for n in QKV)
+    def __call__(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """x [T, hidden] -> this rank's partial output [T, hidden]; reads and writes the
+        slots' S and conv windows."""
+        T, D, caches = x.shape[0], self.head_dim, batch.caches
+        q, k, v = (
+            short_conv(
+                x @ self.proj[n].T, batch,
+                None if caches is None else caches.conv(self.index, f"conv_{n}"), self.conv[n],
+            ).view(T, -1, D)
+            for n in QKV
+        )  # fmt: skip
         f = (x @ self.f_a.T) @ self.f_b.T + self.dt_bias
         g = self.neg_decay[:, None] * F.softplus(f.view(T, -1, D))
         beta = torch.sigmoid(x @ self.b_proj.T)
-        o = self._delta_rule(q, k, v, g[None], beta[None], step)[0]
+        ssm = None if caches is None else caches.ssm(self.index)
+        o = scan(batch, ssm, (q, k, v, g, beta), _delta_rule)
         gate = ((x @ self.g_a.T) @ self.g_b.T).view(T, -1, D)
         o = rms_normalize(o, self.eps) * self.o_norm * torch.sigmoid(gate)
         return o.reshape(T, -1) @ self.o_proj.T
 
-    def _conv(self, y: torch.Tensor, name: str, step: Step) -> torch.Tensor:
-        caches, cache_name = step.caches, f"conv_{name}"
-        if step.prefill:
-            out, final = causal_conv1d(
-                y[None], self.conv[name], output_final_state=caches is not None
-            )
-            if caches is not None:
-                caches.conv(self.index, cache_name)[step.slot].copy_(final[0])
-            return out[0]
-        state = caches.conv(self.index, cache_name)[step.slot : step.slot + 1]
-        return causal_conv1d_update(y, state, self.conv[name])
 
-    def _delta_rule(self, q, k, v, g, beta, step: Step) -> torch.Tensor:
-        caches = step.caches
-        if step.prefill:
-            o, final = chunk_kda(
-                q, k, v, g, beta, output_final_state=caches is not None, use_qk_l2norm=True
-            )
-            if caches is not None:
-                caches.ssm(self.index)[step.slot].copy_(final[0])
-            return o
-        ssm = caches.ssm(self.index)
-        o, final = recurrent_kda(
-            q, k, v, g, beta,
-            initial_state=ssm[step.slot : step.slot + 1].float().contiguous(),
-            output_final_state=True, use_qk_l2norm=True,
-        )  # fmt: skip
-        ssm[step.slot].copy_(final[0])
-        return o
+def _delta_rule(part: Part, inputs, initial_state):
+    kernel = chunk_kda if part.chunked else recurrent_kda
+    return kernel(
+        *inputs, initial_state=initial_state, output_final_state=True, use_qk_l2norm=True,
+        cu_seqlens=part.cu_seqlens,
+    )  # fmt: skip

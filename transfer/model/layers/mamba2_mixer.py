@@ -10,10 +10,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import causal_conv1d, causal_conv1d_update, chunk_mamba2, recurrent_mamba2
+from kernels import chunk_mamba2, recurrent_mamba2
 from transfer.geometry import Mamba2Spec, Segment, Sharding
+from transfer.model.batch import Batch, Part
 from transfer.model.distributed import TPGroup
-from transfer.model.layers.common import Step
+from transfer.model.layers.varlen import scan, short_conv
 from transfer.model.rank_weights import RankWeights
 
 
@@ -59,46 +60,32 @@ class Mamba2Mixer:
         self.shared_group = groups.units_on_rank(tp.size, tp.rank).start if tp.size > G else None
         self.num_groups, self.group_size = G, H * P // G
 
-    def __call__(self, x: torch.Tensor, step: Step) -> torch.Tensor:
-        """x [T, hidden] -> this rank's partial output [T, hidden]."""
-        T, P, N = x.shape[0], self.head_dim, self.state_size
+    def __call__(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """x [T, hidden] -> this rank's partial output [T, hidden]; reads and writes the
+        slots' S and conv windows."""
+        T, P, N, caches = x.shape[0], self.head_dim, self.state_size, batch.caches
         z, xs, bc, dt = (x @ self.in_proj.T).split(self.split, dim=-1)
-        xbc = self._conv(torch.cat([xs, bc], dim=-1), step)
+        conv = None if caches is None else caches.conv(self.index, "conv")
+        xbc = short_conv(torch.cat([xs, bc], dim=-1), batch, conv, self.conv, self.conv_bias)
         xs, B, C = xbc.split([self.heads * P, self.groups * N, self.groups * N], dim=-1)
-        xs, B, C = xs.view(1, T, -1, P), B.view(1, T, -1, N), C.view(1, T, -1, N)
-        y = self._scan(xs, F.softplus(dt + self.dt_bias)[None], B, C, step)
+        xs, B, C = xs.view(T, -1, P), B.view(T, -1, N), C.view(T, -1, N)
+        ssm = None if caches is None else caches.ssm(self.index)
+        dt = F.softplus(dt + self.dt_bias)
+        y = scan(batch, ssm, (xs, dt, B, C), self._ssd)
         return self._gated_norm(y.reshape(T, -1), z) @ self.out_proj.T
 
-    def _conv(self, xbc: torch.Tensor, step: Step) -> torch.Tensor:
-        caches = step.caches
-        if step.prefill:
-            out, final = causal_conv1d(
-                xbc[None], self.conv, self.conv_bias, output_final_state=caches is not None
-            )
-            if caches is not None:
-                caches.conv(self.index, "conv")[step.slot].copy_(final[0])
-            return out[0]
-        state = caches.conv(self.index, "conv")[step.slot : step.slot + 1]
-        return causal_conv1d_update(xbc, state, self.conv, self.conv_bias)
-
-    def _scan(self, xs, dt, B, C, step: Step) -> torch.Tensor:
-        caches = step.caches
-        if step.prefill:
-            y, final = chunk_mamba2(
+    def _ssd(self, part: Part, inputs, initial_state):
+        xs, dt, B, C = inputs
+        if part.chunked:
+            return chunk_mamba2(
                 xs, dt.clamp(min=self.dt_min), self.A, B, C, self.D,
-                output_final_state=caches is not None,
+                initial_state=initial_state, output_final_state=True,
+                cu_seqlens=part.cu_seqlens,
             )  # fmt: skip
-            if caches is not None:
-                caches.ssm(self.index)[step.slot].copy_(final[0])
-            return y
-        ssm = caches.ssm(self.index)
-        y, final = recurrent_mamba2(
-            xs, dt, self.A, B, C, self.D,
-            initial_state=ssm[step.slot : step.slot + 1].float().contiguous(),
-            output_final_state=True,
+        return recurrent_mamba2(
+            xs, dt, self.A, B, C, self.D, initial_state=initial_state, output_final_state=True,
+            cu_seqlens=part.cu_seqlens,
         )  # fmt: skip
-        ssm[step.slot].copy_(final[0])
-        return y
 
     def _gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """RMSNorm of y * silu(z) [T, heads*P] within each of the n_groups head groups."""

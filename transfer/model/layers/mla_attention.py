@@ -10,8 +10,10 @@ from __future__ import annotations
 import torch
 
 from transfer.geometry import MLASpec, Segment
-from transfer.model.layers.common import Step, attend, paged_read, paged_write
+from transfer.model.batch import Batch
+from transfer.model.layers.common import attend
 from transfer.model.layers.norms import rms_normalize
+from transfer.model.layers.varlen import sequence_keys, write_kv
 from transfer.model.rank_weights import RankWeights
 
 # Kimi-Linear builds kv_a_layernorm and q_a_layernorm with the RMSNorm default eps,
@@ -46,26 +48,32 @@ class KimiMLA:
         self.o_proj = w.cols(prefix + "o_proj.weight", o_heads, (hidden, H * self.v_dim))
         self.scale = qk_dim**-0.5
 
-    def __call__(self, x: torch.Tensor, step: Step) -> torch.Tensor:
-        """x [T, hidden] -> this rank's partial output [T, hidden]; caches the T latents."""
+    def __call__(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """x [T, hidden] -> this rank's partial output [T, hidden]; caches the T latents, then
+        each sequence attends causally over its context and new tokens."""
         T = x.shape[0]
         latent, k_rot = (x @ self.kv_a.T).split([self.latent_dim, self.rope_dim], dim=-1)
         latent = rms_normalize(latent, LATENT_NORM_EPS) * self.kv_a_norm
-        entries, key_pos = torch.cat([latent, k_rot], dim=-1), step.positions
-        if step.caches is not None:
-            cache = step.caches.kv(self.index, "kv")
-            paged_write(cache, step.block_ids, step.positions, entries)
-            if not step.prefill:
-                length = int(step.positions[-1]) + 1
-                entries = paged_read(cache, step.block_ids, length)
-                key_pos = torch.arange(length, device=x.device)
+        entries, cache = torch.cat([latent, k_rot], dim=-1), None
+        if batch.caches is not None:
+            cache = batch.caches.kv(self.index, "kv")
+            write_kv(batch, cache, entries)
+        q = self._query(x).view(T, -1, self.nope_dim + self.rope_dim)
+        o = q.new_empty(T, q.shape[1], self.v_dim)
+        for i in range(batch.num_sequences):
+            span = batch.span(i)
+            keys, key_pos = sequence_keys(batch, i, cache, entries)
+            k, v = self._keys_values(keys)
+            o[span] = attend(q[span], k, v, batch.positions[span], key_pos, self.scale)
+        return o.reshape(T, -1) @ self.o_proj.T
+
+    def _keys_values(self, entries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """entries [L, latent + rope] -> this rank's heads' keys [L, H, qk] and values [L, H, v]."""
         latent, k_rot = entries.split([self.latent_dim, self.rope_dim], dim=-1)
         kv = (latent @ self.kv_b.T).view(entries.shape[0], -1, self.nope_dim + self.v_dim)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
         k = torch.cat([k_nope, k_rot[:, None, :].expand(-1, k_nope.shape[1], -1)], dim=-1)
-        q = self._query(x).view(T, k.shape[1], -1)
-        o = attend(q, k, v, step.positions, key_pos, self.scale)
-        return o.reshape(T, -1) @ self.o_proj.T
+        return k, v
 
     def _query(self, x: torch.Tensor) -> torch.Tensor:
         if self.q_a is None:

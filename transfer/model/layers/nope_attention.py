@@ -6,7 +6,9 @@ from __future__ import annotations
 import torch
 
 from transfer.geometry import GQASpec, Segment, Sharding
-from transfer.model.layers.common import Step, attend, paged_read, paged_write
+from transfer.model.batch import Batch
+from transfer.model.layers.common import attend
+from transfer.model.layers.varlen import sequence_keys, write_kv
 from transfer.model.rank_weights import RankWeights
 
 
@@ -23,20 +25,21 @@ class NoPEAttention:
         self.o = w.cols(prefix + "o_proj.weight", q_heads, (hidden, q_dim))
         self.scale = spec.head_dim**-0.5
 
-    def __call__(self, x: torch.Tensor, step: Step) -> torch.Tensor:
-        """x [T, hidden] -> this rank's partial output [T, hidden]; caches the T tokens' K, V."""
+    def __call__(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """x [T, hidden] -> this rank's partial output [T, hidden]; writes the T tokens' K, V,
+        then each sequence attends causally over its context and new tokens."""
         T, D = x.shape[0], self.head_dim
         q = (x @ self.q.T).view(T, -1, D)
         k, v = (x @ self.k.T).view(T, -1, D), (x @ self.v.T).view(T, -1, D)
-        key_pos = step.positions
-        if step.caches is not None:
-            k_cache, v_cache = step.caches.kv(self.index, "k"), step.caches.kv(self.index, "v")
-            paged_write(k_cache, step.block_ids, step.positions, k)
-            paged_write(v_cache, step.block_ids, step.positions, v)
-            if not step.prefill:
-                length = int(step.positions[-1]) + 1
-                k = paged_read(k_cache, step.block_ids, length)
-                v = paged_read(v_cache, step.block_ids, length)
-                key_pos = torch.arange(length, device=x.device)
-        o = attend(q, k, v, step.positions, key_pos, self.scale)
+        k_cache = v_cache = None
+        if batch.caches is not None:
+            k_cache, v_cache = batch.caches.kv(self.index, "k"), batch.caches.kv(self.index, "v")
+            write_kv(batch, k_cache, k)
+            write_kv(batch, v_cache, v)
+        o = q.new_empty(q.shape)
+        for i in range(batch.num_sequences):
+            span = batch.span(i)
+            keys, key_pos = sequence_keys(batch, i, k_cache, k)
+            values, _ = sequence_keys(batch, i, v_cache, v)
+            o[span] = attend(q[span], keys, values, batch.positions[span], key_pos, self.scale)
         return o.reshape(T, -1) @ self.o.T

@@ -1,0 +1,28 @@
+"""A model-free rank worker and command, for tests of the rank process machinery."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from transfer.serving.rank_protocol import RankCommand
+
+
+@dataclass(frozen=True)
+class Spec:
+    rank: int = 0
+    tp: int = 1
+    device: str = "cpu"
+
+
+@dataclass(frozen=True)
+class Sleep(RankCommand[float]):
+    seconds: float
+
+    def apply(self, worker) -> float:
+        time.sleep(self.seconds)
+        return self.seconds
+
+
+def build(spec, group) -> object:
+    return object()

@@ -1,0 +1,98 @@
+"""What the linear and attention layers share to run a `Batch`: the short conv and the scans
+over the prefill and decode parts with per-slot states, and paged KV per sequence.
+
+State rule (docs/bugs.md #4, #12): a sequence with context 0 starts from zeros and never reads
+its slot; a sequence with context > 0 always continues from its slot, exactly as it is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from kernels import causal_conv1d, causal_conv1d_update
+from transfer.model.batch import Batch, Part
+from transfer.model.layers.common import paged_read
+
+# run(part, inputs [1, Tg, ...] each, initial_state [Ng, ...] fp32 or None) -> (out, final)
+ScanRun = Callable[[Part, Sequence[torch.Tensor], torch.Tensor | None], tuple]
+
+
+def initial_states(cache: torch.Tensor, part: Part, dtype: torch.dtype) -> torch.Tensor | None:
+    """[Ng, ...] states entering `part`'s sequences: the slot's for those with context, zeros
+    for fresh ones; None when all are fresh (the kernels' own zero start)."""
+    if part.num_fresh == len(part.fresh):
+        return None
+    states = cache[part.slots].to(dtype)
+    if part.num_fresh:
+        states[part.fresh] = 0
+    return states.contiguous()
+
+
+def short_conv(
+    x: torch.Tensor,
+    batch: Batch,
+    cache: torch.Tensor | None,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Depthwise causal conv + SiLU of x [T, C] over each sequence; `cache` [slots, C, W-1]
+    (None: cache-free) gives the windows entering the step and gets the ones leaving it."""
+    y = torch.empty_like(x)
+    part = batch.prefill
+    if part is not None:
+        init = None if cache is None else initial_states(cache, part, x.dtype)
+        out, final = causal_conv1d(
+            x[part.tokens][None], weight, bias, initial_state=init,
+            output_final_state=cache is not None, cu_seqlens=part.cu_seqlens,
+        )  # fmt: skip
+        if cache is not None:
+            cache[part.slots] = final.to(cache.dtype)
+        y[part.tokens] = out[0]
+    part = batch.decode
+    if part is not None:
+        window = cache[part.slots]
+        y[part.tokens] = causal_conv1d_update(x[part.tokens], window, weight, bias)
+        cache[part.slots] = window
+    return y
+
+
+def scan(
+    batch: Batch, cache: torch.Tensor | None, inputs: Sequence[torch.Tensor], run: ScanRun
+) -> torch.Tensor:
+    """A state-space scan over every sequence: `inputs` are per-token [T, ...] tensors;
+    `run` calls the chunked kernel for the prefill part and the recurrent one for the decode
+    part. `cache` [slots, ...] (None: cache-free) gives the states entering the step and gets
+    the ones leaving it. Returns the output [T, ...]."""
+    out = None
+    for part in (batch.prefill, batch.decode):
+        if part is None:
+            continue
+        init = None if cache is None else initial_states(cache, part, torch.float32)
+        o, final = run(part, [t[part.tokens][None] for t in inputs], init)
+        if cache is not None:
+            cache[part.slots] = final.to(cache.dtype)
+        if out is None:
+            out = o.new_empty(batch.token_ids.shape[0], *o.shape[2:])
+        out[part.tokens] = o[0]
+    return out
+
+
+def write_kv(batch: Batch, cache: torch.Tensor, rows: torch.Tensor) -> None:
+    """rows [T, ...]: every token's KV row lands at its page of cache [NB, BS, ...]."""
+    cache[batch.token_blocks, batch.token_offsets] = rows.to(cache.dtype)
+
+
+def sequence_keys(
+    batch: Batch, i: int, cache: torch.Tensor | None, rows: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(keys [L, ...], their positions [L]) sequence i attends over: its new rows (of all
+    T) when it has no context, else its first context + new rows read back from its blocks
+    (written by `write_kv` first)."""
+    sequence, span = batch.sequences[i], batch.span(i)
+    if sequence.context_len == 0 or cache is None:
+        return rows[span], batch.positions[span]
+    length = sequence.context_len + len(sequence.tokens)
+    keys = paged_read(cache, batch.block_tables[i], length)
+    return keys, torch.arange(length, device=rows.device)
