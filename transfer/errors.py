@@ -47,3 +47,7 @@ class TransferFailed(PdxferError):
 
 class Closed(PdxferError, RuntimeError):
     """The object (transport, server, rank group) was closed. UNAVAILABLE."""
+
+
+class Cancelled(PdxferError):
+    """The caller went away (or cancelled) before the work was done. CANCELLED."""

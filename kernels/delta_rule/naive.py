@@ -78,11 +78,39 @@ def _recurrent_one(q, k, v, g, beta, S):
     return o, S
 
 
+def _one_token_each(q, k, v, g, beta, S):
+    """N sequences, one token each, at once: q, k [N,HV,K], v [N,HV,V], g [N,HV,K|1],
+    beta [N,HV], S [N,HV,K,V]. The same update as `_recurrent_one`, batched over N."""
+    S = S * g.exp()[..., None]
+    predicted = torch.einsum("nhkv,nhk->nhv", S, k)
+    delta = beta[..., None] * (v - predicted)
+    S = S + torch.einsum("nhk,nhv->nhkv", k, delta)
+    return torch.einsum("nhkv,nhk->nhv", S, q), S
+
+
+def _decode_step(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm):
+    """Every sequence of a varlen batch is one token ([1, N, ...] inputs): one batched update
+    (a decode step) instead of a loop over sequences."""
+    dtype = v.dtype
+    q, k, v, g, beta = (t[0] for t in prepare_inputs(q, k, v, g, beta, scale, use_qk_l2norm))
+    N, HV, V = v.shape
+    if initial_state is None:
+        S = torch.zeros(N, HV, k.shape[-1], V, dtype=torch.float32, device=v.device)
+    else:
+        S = initial_state.float()
+    o, S = _one_token_each(q, k, v, g, beta, S)
+    return o[None].to(dtype), S if output_final_state else None
+
+
 def naive_recurrent_delta_rule(
     q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
     use_qk_l2norm=False, cu_seqlens=None,
 ):  # fmt: skip
     """Token-by-token delta rule; g [B,T,HV] (GDN) or [B,T,HV,K] (KDA). Shapes as recurrent_gdn."""
+    one_token_each = cu_seqlens is not None and len(cu_seqlens) == v.shape[1] + 1
+    if one_token_each and bool((cu_seqlens.diff() == 1).all()):
+        return _decode_step(q, k, v, g, beta, scale, initial_state, output_final_state,
+                                use_qk_l2norm)  # fmt: skip
     return per_sequence(_recurrent_one, q, k, v, g, beta, scale, initial_state,
                         output_final_state, use_qk_l2norm, cu_seqlens)  # fmt: skip
 

@@ -255,7 +255,7 @@ def test_health_and_reflection(prefill):
 
 
 def test_worker_services_speak_dataclasses():
-    def prefill(request: PrefillRequest) -> Ticket:
+    def prefill(request: PrefillRequest, is_cancelled=lambda: False) -> Ticket:
         if request.request_id == "bad":
             raise ValueError("prompt_ids: too long for this instance")
         return Ticket(request.request_id, "p0", (0,), 0, len(request.prompt_ids), 99, 1e9, "p0:1")

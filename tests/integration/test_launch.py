@@ -102,6 +102,22 @@ def test_launch_verify_json(model, p_tp, d_tp, transport, prompt_len):
     assert_no_leftovers(launch_id)
 
 
+def test_launch_64_concurrent_requests_all_verify():
+    """Continuous batching under load: 64 requests at once through a P=2, D=1 pair share
+    decode steps (and prefill steps), and every one still verifies (caches bit for bit,
+    tokens against a colocated run)."""
+    args = [
+        "--model", "tiny-qwen3-next", "--prefill-tp", "2", "--decode-tp", "1",
+        "--requests", "64", "--prompt-len", "40", "--max-tokens", "8", "--verify", "--json",
+    ]  # fmt: skip
+    proc, launch_id = run_launch(args)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = json.loads(proc.stdout)
+    assert summary["requests"] == summary["verified"] == 64 and summary["failed"] == 0
+    assert all(len(row["output_token_ids"]) == 8 for row in summary["per_request"])
+    assert_no_leftovers(launch_id)
+
+
 def test_launch_ucx_table():
     """The second transport, and the human-readable table."""
     args = [

@@ -183,6 +183,32 @@ def test_transferred_state_is_not_reset_as_a_new_request(cluster):
     assert_idle(prefill, decode)
 
 
+def test_a_client_leaving_mid_batch_frees_exactly_its_request(cluster):
+    """Three requests decode in shared steps; one client goes away after two tokens. Its
+    blocks and slot go back at once (while the others still run), and the others' tokens
+    are those of a colocated run."""
+    prefill, decode, _ = cluster
+    geometry, long_run = get_preset(MODEL), 40
+    ids = {name: prompt(20 + i) for i, name in enumerate(("stay-a", "leave", "stay-b"))}
+    streams = {
+        name: iter(decode.worker.decode(DecodeRequest(
+            prefill.worker.prefill(PrefillRequest(name, tuple(p), long_run)), long_run)))
+        for name, p in ids.items()
+    }  # fmt: skip
+    tokens = {name: [next(s).token, next(s).token] for name, s in streams.items()}
+    pools = decode.instance.pools
+    before = pools.blocks.num_free, pools.slots.num_free
+    leaving = pools.get("leave")
+    streams.pop("leave").close()
+    assert pools.slots.num_free == before[1] + 1
+    assert pools.blocks.num_free == before[0] + len(leaving.block_ids)
+    del tokens["leave"]
+    for name, stream in streams.items():
+        tokens[name] += [e.token for e in stream]
+        assert tokens[name] == reference_generate(geometry, ids[name], long_run), name
+    assert_idle(prefill, decode)
+
+
 def reset_state_tokens(geometry, ids: list[int]) -> list[int]:
     caches = LocalCaches(geometry, num_blocks=1, block_size=64, num_slots=1)
     engine = RankEngine(geometry, caches)

@@ -120,3 +120,22 @@ def test_block_runs_are_recorded_per_request():
     assert "pdxfer_kv_block_runs_last 5.0" in text
     with pytest.raises(ValueError, match="runs"):
         metrics.record_block_runs(-1)
+
+
+def test_scheduler_metrics_batch_sizes_step_times_and_request_gauges():
+    metrics = WorkerMetrics()
+    queue = {"running": 3, "waiting": 1}
+    metrics.track_requests(running=lambda: queue["running"], waiting=lambda: queue["waiting"])
+    for size, seconds in ((1, 0.004), (8, 0.02), (32, 0.06)):
+        metrics.record_decode_step(size, seconds)
+    queue["running"] = 7
+    got = samples(metrics.render())
+    assert got["pdxfer_requests_running", ()] == 7
+    assert got["pdxfer_requests_waiting", ()] == 1
+    assert got["pdxfer_batch_size_count", ()] == 3
+    assert got["pdxfer_batch_size_sum", ()] == 41
+    assert got["pdxfer_batch_size_bucket", (("le", "8.0"),)] == 2
+    assert got["pdxfer_step_seconds_bucket", (("le", "0.025"),)] == 2
+    for bad in ((0, 0.1), (True, 0.1), (2, -1.0)):
+        with pytest.raises(ValueError):
+            metrics.record_decode_step(*bad)

@@ -50,7 +50,22 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--gpu-mem", default="256MiB", help="cache memory per rank (default 256MiB)"
     )
-    parser.add_argument("--max-seqs", type=int, default=16, help="max live requests (default 16)")
+    parser.add_argument(
+        "--max-seqs",
+        "--max-num-seqs",
+        dest="max_seqs",
+        type=int,
+        default=16,
+        help="max live requests: state slots, and the decode batch's cap (default 16; 1 "
+        "switches batching off)",
+    )
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        help="prompt tokens per prefill step; longer prompts run in chunks of this size "
+        "(default 2048)",
+    )
     parser.add_argument(
         "--max-queue",
         type=int,

@@ -7,6 +7,7 @@ status code; the client raises `ControlError` carrying the code the server answe
 from __future__ import annotations
 
 from transfer.errors import (
+    Cancelled,
     CapacityError,
     Closed,
     DeadlineExceeded,
@@ -63,6 +64,7 @@ _CODES: tuple[tuple[type[BaseException], str], ...] = (
     (DeadlineExceeded, "DEADLINE_EXCEEDED"),
     (TransferFailed, "ABORTED"),
     (Closed, "UNAVAILABLE"),
+    (Cancelled, "CANCELLED"),
     # Bad input from code that raises the builtin (e.g. a protobuf field check).
     (ValueError, "INVALID_ARGUMENT"),
 )

@@ -42,6 +42,8 @@ TRANSFER_SECONDS_BUCKETS = (
 
 
 BLOCK_RUNS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024)
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+STEP_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
 class WorkerMetrics:
@@ -99,6 +101,39 @@ class WorkerMetrics:
             "Runs of consecutive KV block ids of the latest allocated request",
             registry=r,
         )
+
+        self.requests_running = Gauge(
+            "pdxfer_requests_running", "Requests in the decode batch (or joining it)", registry=r
+        )
+        self.requests_waiting = Gauge(
+            "pdxfer_requests_waiting", "Requests waiting for cache room", registry=r
+        )
+        self.batch_size = Histogram(
+            "pdxfer_batch_size",
+            "Requests in one decode step",
+            buckets=BATCH_SIZE_BUCKETS,
+            registry=r,
+        )
+        self.step_seconds = Histogram(
+            "pdxfer_step_seconds",
+            "Wall time of one batched decode step (all ranks)",
+            buckets=STEP_SECONDS_BUCKETS,
+            registry=r,
+        )
+
+    def track_requests(self, *, running: Callable[[], float], waiting: Callable[[], float]) -> None:
+        """Read the request gauges from the owner's callables at scrape time."""
+        self.requests_running.set_function(running)
+        self.requests_waiting.set_function(waiting)
+
+    def record_decode_step(self, batch_size: int, seconds: float) -> None:
+        """One batched decode step of `batch_size` requests took `seconds`."""
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise InvalidInput(f"batch_size: must be an integer >= 1, got {batch_size!r}")
+        if seconds < 0:
+            raise InvalidInput(f"seconds: must be >= 0, got {seconds}")
+        self.batch_size.observe(batch_size)
+        self.step_seconds.observe(seconds)
 
     def track_pools(
         self,

@@ -125,7 +125,7 @@ def serve(
     *,
     store: TicketStore | None = None,
     identity: HandshakeReply | None = None,
-    prefill: Callable[[PrefillRequest], Ticket] | None = None,
+    prefill: Callable[[PrefillRequest, Callable[[], bool]], Ticket] | None = None,
     decode: Callable[[DecodeRequest], Iterable[TokenEvent]] | None = None,
     generate: Callable[[GenerateRequest], Iterable[TokenEvent]] | None = None,
     register_prefill: Callable[[list[str]], None] | None = None,

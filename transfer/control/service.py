@@ -95,14 +95,17 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
 
     def __init__(
         self,
-        prefill: Callable[[PrefillRequest], Ticket],
+        prefill: Callable[[PrefillRequest, Callable[[], bool]], Ticket],
         abandon: Callable[[Ticket], None] | None = None,
     ):
+        """`prefill(request, is_cancelled)`: is_cancelled() turns true once the caller has
+        gone (cancelled, past its deadline), so long work can stop early."""
         self._prefill = prefill
         self._abandon = abandon
 
     def prefill(self, m, context: grpc.ServicerContext) -> transfer_pb2.Ticket:
-        ticket = self._prefill(convert.prefill_request_from_pb(m))
+        request = convert.prefill_request_from_pb(m)
+        ticket = self._prefill(request, lambda: not context.is_active())
         if self._abandon is not None and not context.is_active():
             # The caller gave up (cancelled, past its deadline): nobody will use this ticket.
             self._abandon(ticket)

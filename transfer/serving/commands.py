@@ -80,6 +80,31 @@ class Prefill(RankCommand[TokenPick]):
 
 
 @dataclass(frozen=True)
+class PrefillChunk:
+    """`tokens` of a prompt after its first `context_len` (0: the prompt starts here, in
+    a FREE slot), into `block_ids`/`slot`; the chunk that ends the prompt picks token 0 of
+    the `sampling` stream."""
+
+    tokens: tuple[int, ...]
+    context_len: int
+    block_ids: tuple[int, ...]
+    slot: int
+    sampling: SamplingParams = GREEDY
+
+
+@dataclass(frozen=True)
+class PrefillBatch(RankCommand[tuple[TokenPick, ...]]):
+    """One forward step over several prompts' chunks (varlen, one all-reduce per sublayer
+    for all); answers a pick per chunk (meaningful only for chunks that end a prompt). A
+    batch that fails its checks runs nothing."""
+
+    chunks: tuple[PrefillChunk, ...]
+
+    def apply(self, worker: RankWorker) -> tuple[TokenPick, ...]:
+        return worker.prefill_batch(self.chunks)
+
+
+@dataclass(frozen=True)
 class Snapshot(RankCommand[None]):
     """Write this rank's cache of the request for `launch --verify`."""
 
@@ -169,3 +194,15 @@ class DecodeStep(RankCommand[TokenPick]):
         return worker.decode_step(
             self.token, self.position, list(self.block_ids), self.slot, self.sampling, self.index
         )
+
+
+@dataclass(frozen=True)
+class DecodeBatch(RankCommand[tuple[TokenPick, ...]]):
+    """One forward step for several requests, each a `DecodeStep` (one token each, distinct
+    slots and blocks): one all-reduce per sublayer for the whole batch. Answers their picks
+    in order. A batch that fails its checks runs nothing."""
+
+    steps: tuple[DecodeStep, ...]
+
+    def apply(self, worker: RankWorker) -> tuple[TokenPick, ...]:
+        return worker.decode_batch(self.steps)

@@ -9,6 +9,7 @@ transferred state. Any failure Aborts the ticket and frees everything taken here
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
@@ -39,6 +40,7 @@ from transfer.serving.commands import (
     TransferStart,
     TransferState,
 )
+from transfer.serving.decode_batcher import DecodeBatcher
 from transfer.serving.instance import Instance
 from transfer.serving.rank_protocol import RankCommandError
 from transfer.serving.router import resolve
@@ -127,6 +129,12 @@ class DecodeWorker:
         self._quarantine_lock = threading.Lock()
         self._closed = threading.Event()
         self._reaper: threading.Thread | None = None
+        self.batcher = DecodeBatcher(instance.ranks, instance.config.max_seqs, metrics)
+        if metrics is not None:
+            metrics.track_requests(
+                running=lambda: self.batcher.num_running,
+                waiting=lambda: instance.admission.waiting,
+            )
 
     # -- handshake ------------------------------------------------------------------------
 
@@ -231,19 +239,20 @@ class DecodeWorker:
                 descriptors=reads.descriptors,
                 logprob=ticket.first_logprob,
             )
-            token = ticket.first_token
-            for index in range(1, request.max_tokens):
-                position = ticket.num_tokens + index - 1
-                step = DecodeStep(token, position, blocks, slot, request.sampling, index)
-                pick = ranks.call(step)[0]
-                token = pick.token
-                yield TokenEvent(
-                    rid,
-                    token,
-                    index,
-                    finished=index == request.max_tokens - 1,
-                    logprob=pick.logprob,
-                )
+            first = DecodeStep(
+                ticket.first_token, ticket.num_tokens, blocks, slot, request.sampling, 1
+            )
+            # Closed before the cache goes back, whatever ends the request: no later step
+            # touches its slot or blocks.
+            with contextlib.closing(self.batcher.stream(rid, first, request.max_tokens)) as picks:
+                for index, pick in enumerate(picks, start=1):
+                    yield TokenEvent(
+                        rid,
+                        pick.token,
+                        index,
+                        finished=index == request.max_tokens - 1,
+                        logprob=pick.logprob,
+                    )
         finally:
             if not released:
                 self._abort(peer, ticket, f"decode {self.instance_id} dropped the request")
@@ -367,6 +376,7 @@ class DecodeWorker:
 
     def close(self) -> None:
         self._closed.set()
+        self.batcher.close()
         with self._peer_lock:
             for peer in self._peers.values():
                 peer.client.close()

@@ -52,11 +52,12 @@ class InstanceConfig:
     agent_prefix: str = ""
     model: str = ""  # a preset name or a checkpoint directory; "" = geometry.name
     ssm_dtype: str = "auto"  # the recurrent state's dtype; auto = the config's, else the model's
+    max_num_batched_tokens: int = 2048  # prompt tokens per prefill step (longer ones chunk)
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
             raise InvalidInput(f"role: must be prefill or decode, got {self.role!r}")
-        for name in ("tp", "max_seqs", "min_block_size", "nnodes"):
+        for name in ("tp", "max_seqs", "min_block_size", "nnodes", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise InvalidInput(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.max_queue < 0:

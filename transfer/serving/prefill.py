@@ -7,6 +7,7 @@ that is the only place a published request's blocks and slot go back to the pool
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from transfer.cache.extents import count_runs
 from transfer.control.metrics import WorkerMetrics
@@ -20,8 +21,9 @@ from transfer.control.types import (
     compat_hash,
 )
 from transfer.errors import InvalidInput
-from transfer.serving.commands import Prefill, Release, Snapshot, TokenPick
+from transfer.serving.commands import Release, Snapshot
 from transfer.serving.instance import Instance
+from transfer.serving.prefill_batcher import PrefillBatcher
 from transfer.serving.rank_protocol import RankCommandError, RankGroupDead
 
 logger = logging.getLogger(__name__)
@@ -60,12 +62,22 @@ class PrefillWorker:
             rank_layouts=instance.rank_layouts,
         )
 
+        self.batcher = PrefillBatcher(instance.ranks, instance.config.max_num_batched_tokens)
+        if metrics is not None:
+            metrics.track_requests(
+                running=lambda: self.batcher.num_waiting,
+                waiting=lambda: instance.admission.waiting,
+            )
+
     def start(self) -> PrefillWorker:
         self.store.start()
         return self
 
-    def prefill(self, request: PrefillRequest) -> Ticket:
-        """Run the prompt; the ticket names the blocks and slot that hold its cache."""
+    def prefill(
+        self, request: PrefillRequest, is_cancelled: Callable[[], bool] = lambda: False
+    ) -> Ticket:
+        """Run the prompt; the ticket names the blocks and slot that hold its cache. Once
+        `is_cancelled()` is true the prompt stops at its next chunk and frees its cache."""
         vocab = self.instance.config.geometry.vocab_size
         bad = [t for t in request.prompt_ids if t >= vocab]
         if bad:
@@ -78,8 +90,8 @@ class PrefillWorker:
         blocks, slot = tuple(cache.block_ids), cache.slot_ids[0]
         ranks = self.instance.ranks
         try:
-            command = Prefill(tuple(request.prompt_ids), blocks, slot, request.sampling)
-            first = _same(ranks.call(command))
+            prompt = tuple(request.prompt_ids)
+            first = self.batcher.run(rid, prompt, blocks, slot, request.sampling, is_cancelled)
             if self.instance.config.dump_dir:
                 ranks.call(Snapshot(rid, "prefill", blocks, slot, num_tokens))
             return self.store.publish(
@@ -103,11 +115,5 @@ class PrefillWorker:
         self.instance.admission.freed()
 
     def close(self) -> None:
+        self.batcher.close()
         self.store.stop()
-
-
-def _same(results: list[TokenPick]) -> TokenPick:
-    """The token every rank agreed on (they broadcast rank 0's choice)."""
-    if any(r != results[0] for r in results):
-        raise RuntimeError(f"prefill: ranks disagree on the first token: {results}")
-    return results[0]

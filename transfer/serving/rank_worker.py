@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -26,11 +27,20 @@ from transfer.cache.arena import Arena
 from transfer.cache.layout import Layout
 from transfer.control.types import SamplingParams
 from transfer.dataplane import Op, RangeBatch, make_transport, wait
+from transfer.model.batch import SequenceStep
+from transfer.model.batch_runner import BatchEngine
 from transfer.model.caches import ArenaCaches
 from transfer.model.loader import load_model
 from transfer.model.runner import RankEngine
 from transfer.model.sampling import Sampler
-from transfer.serving.commands import RankInfo, TokenPick, TransferState, TransferStatus
+from transfer.serving.commands import (
+    DecodeStep,
+    PrefillChunk,
+    RankInfo,
+    TokenPick,
+    TransferState,
+    TransferStatus,
+)
 from transfer.serving.spec import WARMUP_BYTES, RankReads, RankSpec
 from transfer.serving.verify import save_snapshot, snapshot_request
 
@@ -74,6 +84,7 @@ class RankWorker:
         self.caches = ArenaCaches(self.arena)
         model = load_model(spec.model, group, device, seed=spec.seed)
         self.engine = RankEngine(spec.geometry, self.caches, group, spec.seed, device, model=model)
+        self.batch = BatchEngine(self.engine)
         self.transport = make_transport(spec.transport, spec.agent_name)
         self.metadata = self.transport.register(self.arena.buffer)
         self.peers: dict[str, list[str]] = {}  # prefill instance -> peer name of each rank
@@ -106,6 +117,12 @@ class RankWorker:
     ) -> TokenPick:
         pick = self.engine.prefill_pick(prompt_ids, block_ids, slot, _sampler(sampling))
         return TokenPick(pick.token, pick.logprob)
+
+    def prefill_batch(self, chunks: Sequence[PrefillChunk]) -> tuple[TokenPick, ...]:
+        sequences = [SequenceStep(c.tokens, c.slot, c.block_ids, c.context_len) for c in chunks]
+        samplers = [_sampler(c.sampling) for c in chunks]
+        output = self.batch.step(sequences, samplers, [0] * len(chunks))
+        return tuple(TokenPick(p.token, p.logprob) for p in output.picks)
 
     def snapshot(
         self, request_id: str, side: str, block_ids: list[int], slot: int, num_tokens: int
@@ -217,6 +234,12 @@ class RankWorker:
         sampler = _sampler(sampling)
         pick = self.engine.decode_step_pick(token, position, block_ids, slot, sampler, index)
         return TokenPick(pick.token, pick.logprob)
+
+    def decode_batch(self, steps: Sequence[DecodeStep]) -> tuple[TokenPick, ...]:
+        sequences = [SequenceStep.decode(s.token, s.slot, s.block_ids, s.position) for s in steps]
+        samplers = [_sampler(s.sampling) for s in steps]
+        output = self.batch.step(sequences, samplers, [s.index for s in steps])
+        return tuple(TokenPick(p.token, p.logprob) for p in output.picks)
 
     def _transfer(self, request_id: str) -> _Transfer:
         try:

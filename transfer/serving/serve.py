@@ -237,6 +237,7 @@ def instance_config(args: argparse.Namespace):
         budget_bytes=parse_size(args.gpu_mem, "--gpu-mem"),
         max_seqs=args.max_seqs,
         max_queue=getattr(args, "max_queue", 32),
+        max_num_batched_tokens=getattr(args, "max_num_batched_tokens", 2048),
         min_block_size=args.block_size,
         seed=args.seed,
         dump_dir=getattr(args, "dump_dir", None),

@@ -14,7 +14,7 @@ from transfer.model.batch import Batch
 from transfer.model.layers.common import attend
 from transfer.model.layers.norms import offset_rms_norm
 from transfer.model.layers.rope import PartialRope
-from transfer.model.layers.varlen import sequence_keys, write_kv
+from transfer.model.layers.varlen import decode_attention, sequence_keys, write_kv
 from transfer.model.rank_weights import RankWeights
 
 
@@ -74,7 +74,14 @@ class GatedAttention:
             write_kv(batch, k_cache, k)
             write_kv(batch, v_cache, v)
         o = q.new_empty(q.shape)
+        batched = batch.decode is not None and k_cache is not None
+        if batched:
+            o[batch.decode.tokens] = decode_attention(batch, q, k_cache, v_cache, D**-0.5).to(
+                o.dtype
+            )
         for i in range(batch.num_sequences):
+            if batched and not batch.sequences[i].prefill:
+                continue
             span = batch.span(i)
             keys, key_pos = sequence_keys(batch, i, k_cache, k)
             values, _ = sequence_keys(batch, i, v_cache, v)

@@ -96,3 +96,30 @@ def sequence_keys(
     length = sequence.context_len + len(sequence.tokens)
     keys = paged_read(cache, batch.block_tables[i], length)
     return keys, torch.arange(length, device=rows.device)
+
+
+def decode_attention(
+    batch: Batch, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Softmax attention of every decode token at once (the cost of a decode step is here):
+    q [T, H, D] (only the decode part's rows are read); each decode token reads its context
+    and itself from its blocks of k_cache / v_cache [NB, BS, HK, D|Dv] (written by
+    `write_kv` first). Returns [Nd, H, Dv] in the decode part's token order."""
+    part = batch.decode
+    rows = q[part.tokens].float()
+    members = torch.searchsorted(batch.cu_seqlens, part.tokens, right=True) - 1
+    lengths = batch.positions[part.tokens] + 1
+    grid = torch.arange(int(lengths.max()), device=q.device)
+    valid = grid[None, :] < lengths[:, None]  # [Nd, L]
+    table = batch.block_tables[members]
+    block_of = (grid // k_cache.shape[1]).clamp(max=table.shape[1] - 1)
+    blocks = torch.where(valid, table[:, block_of], 0)
+    offsets = (grid % k_cache.shape[1]).expand_as(blocks)
+    keys, values = k_cache[blocks, offsets].float(), v_cache[blocks, offsets].float()
+    n, heads, kv_heads = rows.shape[0], rows.shape[1], keys.shape[2]
+    # query head h reads key head h // group: group the query heads instead of repeating keys
+    grouped = rows.view(n, kv_heads, heads // kv_heads, rows.shape[2])
+    scores = torch.einsum("nkgd,nlkd->nkgl", grouped, keys) * scale
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    out = torch.einsum("nkgl,nlkd->nkgd", scores.softmax(-1), values)
+    return out.reshape(n, heads, values.shape[-1])
