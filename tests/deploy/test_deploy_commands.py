@@ -99,12 +99,14 @@ def test_shell_scripts_are_valid_sh(objects):
 
 
 def test_workers_are_sized_from_the_config(objects):
-    """--gpu-mem and --max-seqs come from the ConfigMap, and the budget parses."""
+    """--gpu-mem, --max-num-seqs and --max-num-batched-tokens come from the ConfigMap, and
+    the values parse."""
     for line, args in _parsed(objects):
         if args.command != "serve" or args.role == "router":
             continue
         flags = line.container["args"]
         assert "--gpu-mem=$(PDXFER_GPU_MEM)" in flags, line.label
-        assert "--max-seqs=$(PDXFER_MAX_SEQS)" in flags, line.label
+        assert "--max-num-seqs=$(PDXFER_MAX_NUM_SEQS)" in flags, line.label
+        assert "--max-num-batched-tokens=$(PDXFER_MAX_NUM_BATCHED_TOKENS)" in flags, line.label
         assert parse_size(args.gpu_mem, "--gpu-mem") >= 1 << 30, line.label
-        assert args.max_seqs >= 1, line.label
+        assert args.max_seqs >= 1 and args.max_num_batched_tokens >= 1, line.label

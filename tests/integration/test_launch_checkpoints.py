@@ -18,7 +18,8 @@ PROMPT_LENGTHS = (13, 100)  # the second spans two 64-token chunks
 MIN_MARGIN = 1e-3
 
 # (arch, prefill TP, decode TP): every pair on a model whose KV heads split at TP 2 and on
-# one whose single KV head is replicated; one pair each for the other two.
+# one whose single KV head is replicated, one pair each for the other two Qwen kinds, and
+# every pair for Kimi-Linear (its MLA latent replicated on every rank) and Nemotron-H.
 CASES = [
     ("qwen3_next_moe", 1, 1),
     ("qwen3_next_moe", 2, 1),
@@ -28,6 +29,14 @@ CASES = [
     ("qwen3_5", 1, 2),
     ("qwen3_next_dense", 2, 2),
     ("qwen3_5_moe", 2, 1),
+    ("kimi_linear", 1, 1),
+    ("kimi_linear", 2, 1),
+    ("kimi_linear", 1, 2),
+    ("kimi_linear", 2, 2),
+    ("nemotron_h", 1, 1),
+    ("nemotron_h", 2, 1),
+    ("nemotron_h", 1, 2),
+    ("nemotron_h", 2, 2),
 ]
 
 

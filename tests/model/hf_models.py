@@ -58,6 +58,16 @@ ARCHS = {
 
 
 def build_hf(arch: str, seed: int = 0):
+    """A tiny random transformers model: a Qwen `ARCHS` entry, or "kimi_linear" /
+    "nemotron_h" as their model tests build them."""
+    if arch == "kimi_linear":
+        from tests.model.test_kimi_linear import make_hf_model
+
+        return make_hf_model()
+    if arch == "nemotron_h":
+        from tests.model.test_nemotron_h import make_hf_model
+
+        return make_hf_model(n_groups=1, kv_heads=1)  # B, C and the KV head replicate at TP 2
     import transformers
 
     config_cls, model_cls, kwargs = ARCHS[arch]

@@ -9,7 +9,7 @@ from fastapi.testclient import TestClient
 
 from transfer.errors import CapacityError
 from transfer.model.tiny_tokenizer import write_tiny_tokenizer
-from transfer.serving.openai.app import ServedModel, build_app
+from transfer.serving.openai.app import MAX_BODY_BYTES, ServedModel, build_app
 from transfer.serving.openai.text import TextCodec
 
 
@@ -171,6 +171,26 @@ def test_a_body_that_is_not_json_is_a_named_400():
     )
     assert reply.status_code == 400
     assert "not valid JSON" in reply.json()["error"]["message"]
+
+
+def test_a_body_over_the_limit_gets_413_before_it_is_parsed():
+    client = make_client(CountingEngine())
+    big = b'{"model": "tiny", "prompt": "' + b"x" * (MAX_BODY_BYTES + 1) + b'"}'
+    reply = client.post(
+        "/v1/completions", content=big, headers={"content-type": "application/json"}
+    )
+    assert reply.status_code == 413
+    error = reply.json()["error"]
+    assert error["code"] == "request_too_large" and str(MAX_BODY_BYTES) in error["message"]
+
+    def chunks():  # no Content-Length: the limit still holds while reading
+        yield b'{"model": "tiny", "prompt": "'
+        for _ in range(MAX_BODY_BYTES // (1 << 20) + 1):
+            yield b"x" * (1 << 20)
+        yield b'"}'
+
+    reply = client.post("/v1/chat/completions", content=chunks())
+    assert reply.status_code == 413
 
 
 def test_api_key_is_required_when_configured():

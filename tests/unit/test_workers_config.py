@@ -20,6 +20,7 @@ from transfer.serving.serve import (
     interface_of,
     tls_configs,
 )
+from transfer.serving.serve_options import ServeOptions
 
 
 @pytest.mark.parametrize("model", ["tiny-qwen3-next", "tiny-kimi-linear", "tiny-nemotron-h"])
@@ -45,8 +46,9 @@ def test_instance_config_rejects_bad_tp_and_multinode_without_rendezvous():
         InstanceConfig("decode", geometry, 2, nnodes=4, dist_addr="10.0.0.1:29500")
 
 
-def serve_args(*argv: str) -> argparse.Namespace:
-    return build_parser().parse_args(["serve", *argv])
+def serve_args(*argv: str) -> ServeOptions:
+    """The typed options the CLI hands to `serve` for these flags."""
+    return ServeOptions.from_values(vars(build_parser().parse_args(["serve", *argv])))
 
 
 def test_serve_flags_reach_the_instance(tmp_path):
@@ -146,3 +148,14 @@ def test_a_non_loopback_server_needs_a_token_or_mtls_unless_insecure():
     check_exposure(serve_args("prefill", "--host", "127.0.0.1"), None, None)
     with pytest.raises(ValueError, match="non-loopback"):  # the data plane counts too
         check_exposure(serve_args("prefill", "--data-host", "0.0.0.0"), None, None)
+
+
+def test_every_serve_flag_is_a_serve_option():
+    """A flag added to `pdxfer serve` without its ServeOptions field would be dropped."""
+    from dataclasses import fields
+
+    parsed = vars(build_parser().parse_args(["serve", "router"]))
+    flags = set(parsed) - {"command", "func"}
+    assert flags == {f.name for f in fields(ServeOptions)}
+    options = ServeOptions.from_values(parsed)
+    assert options.prefill == () and options.role == "router"

@@ -49,7 +49,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=0.9,
         help="fraction of --gpu-mem given to the cache (default 0.9)",
     )
-    parser.add_argument("--max-seqs", type=int, default=256, help="max live requests (default 256)")
+    parser.add_argument(
+        "--max-seqs",
+        "--max-num-seqs",
+        dest="max_seqs",
+        type=int,
+        default=256,
+        help="max live requests: state slots (serve's --max-num-seqs; default 256)",
+    )
     parser.add_argument(
         "--block-size", type=int, default=16, help="minimum KV block size in tokens (default 16)"
     )

@@ -186,5 +186,6 @@ def add_http_arguments(group, default_port: int | None = None) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from transfer.serving.serve import serve
+    from transfer.serving.serve_options import ServeOptions
 
-    return serve(args)
+    return serve(ServeOptions.from_values(vars(args)))

@@ -193,11 +193,16 @@ class RouterClient(_Client):
         super().__init__(address, **kwargs)
         self._stub = worker_pb2_grpc.RouterServiceStub(self._channel)
 
-    def generate(self, request: GenerateRequest) -> Iterator[TokenEvent]:
+    def generate(
+        self, request: GenerateRequest, timeout_s: float | None = None
+    ) -> Iterator[TokenEvent]:
+        """The request's token stream; `timeout_s` bounds the whole stream (None: only
+        keepalive ends it)."""
         return self._stream(
             self._stub.Generate,
             convert.generate_request_to_pb(request),
             convert.token_event_from_pb,
+            timeout_s=timeout_s,
         )
 
 

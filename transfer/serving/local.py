@@ -8,6 +8,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from transfer.net import free_port
 from transfer.serving.procs import (
     LAUNCH_ID_ENV,
     ServeProcess,
@@ -32,6 +33,8 @@ class LocalPairConfig:
     seed: int = 0
     dump_dir: Path | None = None
     timeout_s: float = 300.0
+    lease_s: float = 30.0
+    metrics: bool = False  # serve /metrics on each worker (a free port each)
 
 
 class LocalPair:
@@ -50,15 +53,16 @@ class LocalPair:
         }
         self.procs: list[ServeProcess] = []
 
-    def _worker_args(self, role: str, tp: int) -> list[str]:
+    def _worker_args(self, role: str, tp: int, port: int = 0) -> list[str]:
         c = self.config
         return [
-            "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--model", c.model,
+            "--host", "127.0.0.1", "--port", str(port), "--model", c.model,
+            "--metrics-port", str(free_port() if c.metrics else 0),
             "--ssm-dtype", c.ssm_dtype, "--transport", c.transport, "--gpu-mem", c.gpu_mem,
             "--device", c.device, "--max-seqs", str(c.max_seqs),
             "--block-size", str(c.block_size), "--seed", str(c.seed),
             *(["--dump-dir", str(c.dump_dir)] if c.dump_dir else []),
-            "--tp", str(tp), "--instance-id", f"{role}-0",
+            "--tp", str(tp), "--instance-id", f"{role}-0", "--lease-seconds", str(c.lease_s),
         ]  # fmt: skip
 
     def start_workers(self) -> None:
@@ -78,6 +82,17 @@ class LocalPair:
         wait_ready(self.procs[-1:], self.config.timeout_s)
         check_health(self.procs, self.config.timeout_s)
         return self.procs[-1].address
+
+    def restart_worker(self, index: int) -> None:
+        """Stop worker `index` (0 prefill, 1 decode) if it still runs, and start it again on
+        the same port, as a supervisor would; returns once it is READY."""
+        old = self.procs[index]
+        stop_all([old], grace_s=2.0)
+        role, tp = (("prefill", self.config.prefill_tp), ("decode", self.config.decode_tp))[index]
+        port = int(old.address.rpartition(":")[2])
+        new = start_serve(role, self._worker_args(role, tp, port), self.run_dir, self.env)
+        self.procs[index] = new
+        wait_ready([new], self.config.timeout_s)
 
     @property
     def router_address(self) -> str:

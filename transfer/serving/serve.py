@@ -8,7 +8,6 @@ With `--nnodes N`, node ranks > 0 run only their TP ranks, which follow the lead
 
 from __future__ import annotations
 
-import argparse
 import fcntl
 import ipaddress
 import logging
@@ -29,6 +28,7 @@ from transfer.control.server import serve as serve_control
 from transfer.net import free_port
 from transfer.serving.procs import ready_line
 from transfer.serving.router import Router, RouterMetrics, join_address
+from transfer.serving.serve_options import ServeOptions
 from transfer.units import parse_size
 
 logger = logging.getLogger("pdxfer.serve")
@@ -36,22 +36,24 @@ logger = logging.getLogger("pdxfer.serve")
 SIOCGIFADDR = 0x8915
 
 
-def auth_token(args: argparse.Namespace) -> str | None:
+def auth_token(options: ServeOptions) -> str | None:
     """--auth-token-file (or PDXFER_AUTH_TOKEN_FILE), else PDXFER_AUTH_TOKEN, else none."""
-    return load_token(args.auth_token_file)
+    return load_token(options.auth_token_file)
 
 
-def tls_configs(args: argparse.Namespace) -> tuple[TlsConfig | None, TlsConfig | None]:
+def tls_configs(options: ServeOptions) -> tuple[TlsConfig | None, TlsConfig | None]:
     """(server TLS, client TLS for calls to other instances). The certificate doubles as
     the client certificate, so `--tls-ca` on every instance gives mutual TLS."""
-    if bool(args.tls_cert) != bool(args.tls_key):
+    if bool(options.tls_cert) != bool(options.tls_key):
         raise ValueError("--tls-cert and --tls-key must be given together")
     server = (
-        TlsConfig.from_files(args.tls_cert, args.tls_key, args.tls_ca) if args.tls_cert else None
+        TlsConfig.from_files(options.tls_cert, options.tls_key, options.tls_ca)
+        if options.tls_cert
+        else None
     )
     client = None
-    if args.tls_cert or args.tls_ca:
-        client = TlsConfig.from_files(args.tls_cert, args.tls_key, args.tls_ca)
+    if options.tls_cert or options.tls_ca:
+        client = TlsConfig.from_files(options.tls_cert, options.tls_key, options.tls_ca)
     return server, client
 
 
@@ -83,14 +85,14 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def check_exposure(args: argparse.Namespace, token: str | None, tls) -> None:
+def check_exposure(options: ServeOptions, token: str | None, tls) -> None:
     """Serving beyond this machine needs a token or mutual TLS: without either, anyone who
     reaches the port gets the arena's transport metadata and can drive the ranks. ValueError
     (exit 2) unless `--insecure`."""
-    hosts = [args.host, getattr(args, "data_host", None) or args.host]
+    hosts = [options.host, options.data_host or options.host]
     exposed = [h for h in hosts if not is_loopback(h)]
     mutual = tls is not None and tls.ca is not None
-    if exposed and not (token or mutual) and not getattr(args, "insecure", False):
+    if exposed and not (token or mutual) and not options.insecure:
         raise ValueError(
             f"--host {exposed[0]}: serving a non-loopback address needs --auth-token-file "
             "(or PDXFER_AUTH_TOKEN) or mutual TLS (--tls-cert/--tls-key/--tls-ca); "
@@ -120,20 +122,20 @@ def _install_stop() -> threading.Event:
     return stop
 
 
-def serve(args: argparse.Namespace) -> int:
+def serve(options: ServeOptions) -> int:
     """Run one instance until stopped; 0 on a clean stop, 1 when its ranks died."""
     logging.basicConfig(
         level=logging.INFO,
         stream=sys.stderr,
-        format=f"%(asctime)s {args.role} %(levelname)s %(message)s",
+        format=f"%(asctime)s {options.role} %(levelname)s %(message)s",
     )
     stop = _install_stop()
-    token = auth_token(args)
-    server_tls, client_tls = tls_configs(args)
-    check_exposure(args, token, server_tls)
-    if args.role == "router":
-        return _serve_router(args, token, server_tls, client_tls, stop)
-    return _serve_worker(args, token, server_tls, client_tls, stop)
+    token = auth_token(options)
+    server_tls, client_tls = tls_configs(options)
+    check_exposure(options, token, server_tls)
+    if options.role == "router":
+        return _serve_router(options, token, server_tls, client_tls, stop)
+    return _serve_worker(options, token, server_tls, client_tls, stop)
 
 
 def _announce(role: str, server, metrics_server) -> None:
@@ -142,30 +144,32 @@ def _announce(role: str, server, metrics_server) -> None:
     logger.info("serving on %s (metrics port %s)", server.address, port or "off")
 
 
-def _threads(args) -> int:
+def _threads(options: ServeOptions) -> int:
     """gRPC handler threads: a streaming call holds one for its whole life."""
-    return max(16, 2 * args.max_seqs + getattr(args, "max_queue", 0) + 8)
+    return max(16, 2 * options.max_seqs + options.max_queue + 8)
 
 
-def _metrics(args, metrics):
-    if not args.metrics_port:
+def _metrics(options: ServeOptions, metrics):
+    if not options.metrics_port:
         return None
-    return serve_metrics(metrics, host=args.host, port=args.metrics_port)
+    return serve_metrics(metrics, host=options.host, port=options.metrics_port)
 
 
-def _serve_router(args, token, server_tls, client_tls, stop: threading.Event) -> int:
+def _serve_router(
+    options: ServeOptions, token, server_tls, client_tls, stop: threading.Event
+) -> int:
     metrics = RouterMetrics()
-    router = Router(args.prefill, args.decode, ClientOptions(token, client_tls), metrics)
+    router = Router(options.prefill, options.decode, ClientOptions(token, client_tls), metrics)
     server = serve_control(
-        join_address(args.host, args.port),
+        join_address(options.host, options.port),
         generate=router.generate,
         token=token,
         tls=server_tls,
-        max_workers=_threads(args),
+        max_workers=_threads(options),
     )
-    metrics_server = _metrics(args, metrics)
+    metrics_server = _metrics(options, metrics)
     try:
-        http = _http_front(args, router, metrics) if args.http_port is not None else None
+        http = _http_front(options, router, metrics) if options.http_port is not None else None
     except BaseException:
         server.stop(grace=0)
         router.close()
@@ -186,17 +190,17 @@ def _serve_router(args, token, server_tls, client_tls, stop: threading.Event) ->
     return 0
 
 
-def api_key(args: argparse.Namespace) -> str | None:
+def api_key(options: ServeOptions) -> str | None:
     """The HTTP API key: --api-key-file, else PDXFER_API_KEY, else none (no auth)."""
-    if args.api_key_file:
-        key = Path(args.api_key_file).read_text().strip()
+    if options.api_key_file:
+        key = Path(options.api_key_file).read_text().strip()
         if not key:
-            raise ValueError(f"--api-key-file {args.api_key_file}: the file is empty")
+            raise ValueError(f"--api-key-file {options.api_key_file}: the file is empty")
         return key
     return os.environ.get("PDXFER_API_KEY", "").strip() or None
 
 
-def _http_front(args, router: Router, metrics: RouterMetrics):
+def _http_front(options: ServeOptions, router: Router, metrics: RouterMetrics):
     """The OpenAI-compatible HTTP server over `router`; its /metrics is the router's."""
     from transfer.serving.openai.app import build_app
     from transfer.serving.openai.engine import RouterEngine
@@ -204,14 +208,14 @@ def _http_front(args, router: Router, metrics: RouterMetrics):
     from transfer.serving.openai.served import load_served_model
 
     model = load_served_model(
-        args.model, name=args.served_model_name, max_model_len=args.max_model_len
+        options.model, name=options.served_model_name, max_model_len=options.max_model_len
     )
-    key = api_key(args)
+    key = api_key(options)
     app = build_app(RouterEngine(router), model, api_key=key, registry=metrics.registry)
-    http = HttpServer(app, args.host, args.http_port)
+    http = HttpServer(app, options.host, options.http_port)
     logger.info(
         "OpenAI API on http://%s/v1: model %r, context %d tokens, %s, %s",
-        join_address(args.host, http.port),
+        join_address(options.host, http.port),
         model.name,
         model.max_model_len,
         "text and token ids" if model.codec else "token ids only (no tokenizer.json)",
@@ -220,41 +224,43 @@ def _http_front(args, router: Router, metrics: RouterMetrics):
     return http
 
 
-def instance_config(args: argparse.Namespace):
+def instance_config(options: ServeOptions):
     from transfer.presets import load_geometry
     from transfer.serving.instance import InstanceConfig
 
-    if args.lease_seconds <= 0:
-        raise ValueError(f"--lease-seconds must be > 0, got {args.lease_seconds}")
+    if options.lease_seconds <= 0:
+        raise ValueError(f"--lease-seconds must be > 0, got {options.lease_seconds}")
     return InstanceConfig(
-        role=args.role,
-        geometry=load_geometry(args.model),
-        model=args.model,
-        ssm_dtype=args.ssm_dtype,
-        tp=args.tp,
-        transport=args.transport,
-        device=args.device,
-        budget_bytes=parse_size(args.gpu_mem, "--gpu-mem"),
-        max_seqs=args.max_seqs,
-        max_queue=getattr(args, "max_queue", 32),
-        max_num_batched_tokens=getattr(args, "max_num_batched_tokens", 2048),
-        min_block_size=args.block_size,
-        seed=args.seed,
-        dump_dir=getattr(args, "dump_dir", None),
-        nnodes=args.nnodes,
-        node_rank=args.node_rank,
-        dist_addr=args.dist_addr,
-        net_device=interface_of(args.data_host or args.host),
+        role=options.role,
+        geometry=load_geometry(options.model),
+        model=options.model,
+        ssm_dtype=options.ssm_dtype,
+        tp=options.tp,
+        transport=options.transport,
+        device=options.device,
+        budget_bytes=parse_size(options.gpu_mem, "--gpu-mem"),
+        max_seqs=options.max_seqs,
+        max_queue=options.max_queue,
+        max_num_batched_tokens=options.max_num_batched_tokens,
+        min_block_size=options.block_size,
+        seed=options.seed,
+        dump_dir=options.dump_dir,
+        nnodes=options.nnodes,
+        node_rank=options.node_rank,
+        dist_addr=options.dist_addr,
+        net_device=interface_of(options.data_host or options.host),
     )
 
 
-def _serve_worker(args, token, server_tls, client_tls, stop: threading.Event) -> int:
+def _serve_worker(
+    options: ServeOptions, token, server_tls, client_tls, stop: threading.Event
+) -> int:
     from transfer.serving.decode import DecodeWorker
     from transfer.serving.instance import Instance
     from transfer.serving.prefill import PrefillWorker
     from transfer.serving.rank_protocol import RankCommandError
 
-    config = instance_config(args)
+    config = instance_config(options)
     try:
         instance = Instance(config)
     except RankCommandError as exc:  # bad input (a ValueError) still exits 2 with its message
@@ -263,7 +269,7 @@ def _serve_worker(args, token, server_tls, client_tls, stop: threading.Event) ->
         logger.error("the TP ranks failed to start: %s", exc)
         return 1
     if not config.is_leader:
-        return _serve_follower(args, config, instance, token, server_tls, stop)
+        return _serve_follower(options, config, instance, token, server_tls, stop)
     metrics = WorkerMetrics()
     metrics.track_pools(
         kv_blocks_free=lambda: instance.pools.blocks.num_free,
@@ -272,16 +278,16 @@ def _serve_worker(args, token, server_tls, client_tls, stop: threading.Event) ->
         state_slots_total=lambda: instance.pools.slots.num_total,
     )
     # Tickets and handshakes name this instance by its address, so pick the port first.
-    port = args.port or free_port(args.host)
-    address = join_address(advertised_host(args.host), port)
+    port = options.port or free_port(options.host)
+    address = join_address(advertised_host(options.host), port)
     # A boot id makes every process start a new instance: a peer that restarted at the same
     # address is told apart at the handshake, never mistaken for the one it replaced.
-    instance_id = f"{args.instance_id or address}/{secrets.token_hex(4)}"
-    bind = join_address(args.host, port)
+    instance_id = f"{options.instance_id or address}/{secrets.token_hex(4)}"
+    bind = join_address(options.host, port)
     closers = []
     try:
-        if args.role == "prefill":
-            worker = PrefillWorker(instance, instance_id, address, args.lease_seconds, metrics)
+        if options.role == "prefill":
+            worker = PrefillWorker(instance, instance_id, address, options.lease_seconds, metrics)
             server = serve_control(
                 bind,
                 store=worker.store,
@@ -289,13 +295,13 @@ def _serve_worker(args, token, server_tls, client_tls, stop: threading.Event) ->
                 prefill=worker.prefill,
                 token=token,
                 tls=server_tls,
-                max_workers=_threads(args),
+                max_workers=_threads(options),
             )
             worker.start()
         else:
-            options = ClientOptions(token, client_tls)
+            client_options = ClientOptions(token, client_tls)
             worker = DecodeWorker(
-                instance, instance_id, options, metrics, known_prefill=args.prefill_peers
+                instance, instance_id, client_options, metrics, known_prefill=options.prefill_peers
             )
             server = serve_control(
                 bind,
@@ -303,13 +309,13 @@ def _serve_worker(args, token, server_tls, client_tls, stop: threading.Event) ->
                 register_prefill=worker.register_prefill,
                 token=token,
                 tls=server_tls,
-                max_workers=_threads(args),
+                max_workers=_threads(options),
             )
         closers.append(worker.close)
-        metrics_server = _metrics(args, metrics)
+        metrics_server = _metrics(options, metrics)
         if metrics_server:
             closers.append(metrics_server.stop)
-        _announce(args.role, server, metrics_server)
+        _announce(options.role, server, metrics_server)
     except BaseException:
         for close in closers:
             close()
@@ -318,19 +324,21 @@ def _serve_worker(args, token, server_tls, client_tls, stop: threading.Event) ->
     return _wait(stop, instance, server, closers)
 
 
-def _serve_follower(args, config, instance, token, server_tls, stop: threading.Event) -> int:
+def _serve_follower(
+    options: ServeOptions, config, instance, token, server_tls, stop: threading.Event
+) -> int:
     """A node rank > 0 runs only its TP ranks, which follow the leader's; it still answers
     gRPC health and serves /metrics so that the same probes work on every pod."""
     logger.info("node %d of %d: serving TP ranks only", config.node_rank, config.nnodes)
     closers = []
     try:
         server = serve_control(
-            join_address(args.host, args.port), token=token, tls=server_tls, health_only=True
+            join_address(options.host, options.port), token=token, tls=server_tls, health_only=True
         )
-        metrics_server = _metrics(args, WorkerMetrics())
+        metrics_server = _metrics(options, WorkerMetrics())
         if metrics_server:
             closers.append(metrics_server.stop)
-        _announce(args.role, server, metrics_server)
+        _announce(options.role, server, metrics_server)
     except BaseException:
         for close in closers:
             close()

@@ -183,6 +183,9 @@ def _usage(prompt: int, completion: int) -> dict:
     }
 
 
+MAX_BODY_BYTES = 4 << 20  # far above any prompt the context allows; bounds what one call buffers
+
+
 def build_app(
     engine: Engine,
     model: ServedModel,
@@ -212,8 +215,21 @@ def build_app(
         return JSONResponse(exc.body(), status_code=exc.status)
 
     async def body_of(request: Request):
+        too_large = ApiError(
+            413,
+            f"the request body is larger than {MAX_BODY_BYTES} bytes",
+            code="request_too_large",
+        )
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+            raise too_large
+        raw = bytearray()
+        async for piece in request.stream():  # a chunked body has no length to check first
+            raw += piece
+            if len(raw) > MAX_BODY_BYTES:
+                raise too_large
         try:
-            return await request.json()
+            return json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise ApiError(400, "the request body is not valid JSON", code="invalid_json") from None
 

@@ -1,0 +1,59 @@
+"""What `pdxfer serve` was asked to run: one typed value, built by the CLI from its flags.
+
+Field names are the flags' (`--max-num-seqs` is `max_seqs`); `serve` and its helpers read
+nothing else, so library code never sees argparse.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    role: str  # "prefill" | "decode" | "router"
+    host: str = "127.0.0.1"
+    port: int = 50051
+    metrics_port: int = 9400
+    auth_token_file: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    insecure: bool = False
+    tls_ca: str | None = None
+    model: str = "tiny-qwen3-next"
+    ssm_dtype: str = "auto"
+    tp: int = 1
+    transport: str = "nixl"
+    data_host: str | None = None
+    device: str = "cpu"
+    gpu_mem: str = "256MiB"
+    max_seqs: int = 16
+    max_num_batched_tokens: int = 2048
+    max_queue: int = 32
+    block_size: int = 16
+    lease_seconds: float = 30.0
+    seed: int = 0
+    instance_id: str | None = None
+    dump_dir: str | None = None
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_addr: str | None = None
+    prefill: tuple[str, ...] = ()
+    decode: tuple[str, ...] = ()
+    prefill_peers: tuple[str, ...] = ()
+    http_port: int | None = None
+    api_key_file: str | None = None
+    served_model_name: str | None = None
+    max_model_len: int | None = None
+
+    @classmethod
+    def from_values(cls, values: Mapping[str, Any]) -> ServeOptions:
+        """The options among `values` (e.g. the parsed flags); other keys are ignored."""
+        known = {f.name for f in fields(cls)}
+        picked = {k: v for k, v in values.items() if k in known}
+        for name in ("prefill", "decode", "prefill_peers"):
+            if name in picked:
+                picked[name] = tuple(picked[name] or ())
+        return cls(**picked)
