@@ -303,9 +303,9 @@ class DecodeWorker:
                     logger.warning("polling the held transfer %r: %s", rid, exc)
                     continue
                 if settled:
+                    self._free(rid, slot)  # before it stops counting as held
                     with self._quarantine_lock:
                         del self._quarantine[rid]
-                    self._free(rid, slot)
 
     def held_requests(self) -> list[str]:
         """Requests whose cache is held until their failed READs settle."""
