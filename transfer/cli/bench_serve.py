@@ -46,6 +46,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="live requests per instance (default: the largest concurrency); 1 turns batching off",
     )
     parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        help="prompt tokens per prefill step (serve's flag; default 2048)",
+    )
+    parser.add_argument(
         "--transport", choices=["nixl", "ucx"], default="nixl", help="(default nixl)"
     )
     parser.add_argument(
@@ -76,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     from transfer.serving.local import LocalPair, LocalPairConfig
 
     levels = _concurrencies(args.concurrency)
-    for name in ("requests", "prompt_len", "max_tokens"):
+    for name in ("requests", "prompt_len", "max_tokens", "max_num_batched_tokens"):
         if getattr(args, name) < 1:
             raise InvalidInput(
                 f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}"
@@ -92,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
     config = LocalPairConfig(
         args.model, args.prefill_tp, args.decode_tp, args.ssm_dtype, args.transport,
         args.gpu_mem, "cpu", max_seqs, seed=args.seed, timeout_s=args.timeout,
+        max_num_batched_tokens=args.max_num_batched_tokens,
     )  # fmt: skip
     pair = LocalPair(config, run_dir)
     results = []
@@ -114,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
         "prefill_tp": args.prefill_tp,
         "decode_tp": args.decode_tp,
         "max_num_seqs": max_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
         "prompt_len": args.prompt_len,
         "max_tokens": args.max_tokens,
         "results": results,

@@ -29,6 +29,7 @@ class LocalPairConfig:
     gpu_mem: str = "64MiB"
     device: str = "cpu"
     max_seqs: int = 16
+    max_num_batched_tokens: int = 2048
     block_size: int = 16
     seed: int = 0
     dump_dir: Path | None = None
@@ -60,6 +61,7 @@ class LocalPair:
             "--metrics-port", str(free_port() if c.metrics else 0),
             "--ssm-dtype", c.ssm_dtype, "--transport", c.transport, "--gpu-mem", c.gpu_mem,
             "--device", c.device, "--max-seqs", str(c.max_seqs),
+            "--max-num-batched-tokens", str(c.max_num_batched_tokens),
             "--block-size", str(c.block_size), "--seed", str(c.seed),
             *(["--dump-dir", str(c.dump_dir)] if c.dump_dir else []),
             "--tp", str(tp), "--instance-id", f"{role}-0", "--lease-seconds", str(c.lease_s),
