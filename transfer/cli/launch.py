@@ -129,8 +129,9 @@ def launch(config: LaunchConfig) -> int:
     pair = LocalPair(
         LocalPairConfig(
             config.model, config.prefill_tp, config.decode_tp, config.ssm_dtype,
-            config.transport, config.gpu_mem, config.device, len(prompts), config.block_size,
-            config.seed, dump_dir, config.timeout,
+            config.transport, config.gpu_mem, config.device, max_seqs=len(prompts),
+            block_size=config.block_size, seed=config.seed, dump_dir=dump_dir,
+            timeout_s=config.timeout,
         ),
         run_dir,
     )  # fmt: skip

@@ -9,7 +9,6 @@ per step).
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -17,7 +16,7 @@ import torch
 
 from transfer.errors import InvalidInput
 from transfer.model.batch import SequenceStep, make_batch
-from transfer.model.runner import RankEngine, blocks_needed
+from transfer.model.runner import RankEngine, blocks_needed, is_index
 from transfer.model.sampling import GREEDY, Pick, Sampler, choose, logprob_of
 
 
@@ -121,22 +120,22 @@ class BatchEngine:
         vocab, num_slots = engine.geometry.vocab_size, engine.caches.num_slots
         if not s.tokens:
             raise InvalidInput(f"{field}.tokens: must not be empty")
-        bad = [t for t in s.tokens if not _is_index(t) or not 0 <= t < vocab]
+        bad = [t for t in s.tokens if not is_index(t) or not 0 <= t < vocab]
         if bad:
             raise InvalidInput(
                 f"{field}.tokens: token ids must be ints in [0, {vocab}), got {bad[:5]}"
             )
-        if not _is_index(s.context_len) or s.context_len < 0:
+        if not is_index(s.context_len) or s.context_len < 0:
             raise InvalidInput(f"{field}.context_len: must be an int >= 0, got {s.context_len!r}")
         if not s.prefill and (len(s.tokens) != 1 or s.context_len < 1):
             raise InvalidInput(
                 f"{field}: a decode step is one token after context_len >= 1 cached tokens, got "
                 f"{len(s.tokens)} tokens after {s.context_len}"
             )
-        if not _is_index(s.slot) or not 0 <= s.slot < num_slots:
+        if not is_index(s.slot) or not 0 <= s.slot < num_slots:
             raise InvalidInput(f"{field}.slot: must be an int in [0, {num_slots}), got {s.slot!r}")
         num_blocks = engine.caches.num_blocks
-        bad = [b for b in s.block_ids if not _is_index(b) or not 0 <= b < num_blocks]
+        bad = [b for b in s.block_ids if not is_index(b) or not 0 <= b < num_blocks]
         if bad:
             raise InvalidInput(
                 f"{field}.block_ids: block ids must be ints in [0, {num_blocks}), got {bad[:5]}"
@@ -150,14 +149,3 @@ class BatchEngine:
                 f"{field}.block_ids: {tokens} tokens need {need} blocks of "
                 f"{engine.caches.block_size}, got {len(s.block_ids)}"
             )
-
-
-def _is_index(value) -> bool:
-    """An int-like (int, numpy or 0-d torch integer), not a bool or float."""
-    if isinstance(value, bool):
-        return False
-    try:
-        operator.index(value)
-    except TypeError:
-        return False
-    return True

@@ -25,7 +25,7 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
-def _is_index(value) -> bool:
+def is_index(value) -> bool:
     """An int-like (int, numpy or 0-d torch integer), not a bool or float."""
     if isinstance(value, bool):
         return False
@@ -200,13 +200,13 @@ class RankEngine:
 
     def _check_tokens(self, token_ids: Sequence[int], field: str) -> None:
         vocab = self.geometry.vocab_size
-        bad = [t for t in token_ids if not _is_index(t) or not 0 <= t < vocab]
+        bad = [t for t in token_ids if not is_index(t) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"{field}: token ids must be ints in [0, {vocab}), got {bad[:5]}")
 
     def _check_blocks(self, block_ids: Sequence[int], field: str) -> None:
         n = self.caches.num_blocks
-        bad = [b for b in block_ids if not _is_index(b) or not 0 <= b < n]
+        bad = [b for b in block_ids if not is_index(b) or not 0 <= b < n]
         if bad:
             raise ValueError(f"{field}: block ids must be ints in [0, {n}), got {bad[:5]}")
         if len(set(block_ids)) != len(block_ids):

@@ -29,13 +29,13 @@ class LocalPairConfig:
     gpu_mem: str = "64MiB"
     device: str = "cpu"
     max_seqs: int = 16
-    max_num_batched_tokens: int = 2048
     block_size: int = 16
     seed: int = 0
     dump_dir: Path | None = None
     timeout_s: float = 300.0
     lease_s: float = 30.0
     metrics: bool = False  # serve /metrics on each worker (a free port each)
+    max_num_batched_tokens: int = 2048
 
 
 class LocalPair:

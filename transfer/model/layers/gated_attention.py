@@ -11,10 +11,9 @@ import torch
 
 from transfer.geometry import LayerSpec, Segment
 from transfer.model.batch import Batch
-from transfer.model.layers.common import attend
 from transfer.model.layers.norms import offset_rms_norm
 from transfer.model.layers.rope import PartialRope
-from transfer.model.layers.varlen import decode_attention, sequence_keys, write_kv
+from transfer.model.layers.varlen import paged_attention
 from transfer.model.rank_weights import RankWeights
 
 
@@ -68,23 +67,6 @@ class GatedAttention:
         q = self.rope(offset_rms_norm(q.view(T, -1, D), self.q_norm, self.eps), batch.positions)
         k = self.rope(offset_rms_norm(k.view(T, -1, D), self.k_norm, self.eps), batch.positions)
         v = v.view(T, -1, D)
-        k_cache = v_cache = None
-        if batch.caches is not None:
-            k_cache, v_cache = batch.caches.kv(self.index, "k"), batch.caches.kv(self.index, "v")
-            write_kv(batch, k_cache, k)
-            write_kv(batch, v_cache, v)
-        o = q.new_empty(q.shape)
-        batched = batch.decode is not None and k_cache is not None
-        if batched:
-            o[batch.decode.tokens] = decode_attention(batch, q, k_cache, v_cache, D**-0.5).to(
-                o.dtype
-            )
-        for i in range(batch.num_sequences):
-            if batched and not batch.sequences[i].prefill:
-                continue
-            span = batch.span(i)
-            keys, key_pos = sequence_keys(batch, i, k_cache, k)
-            values, _ = sequence_keys(batch, i, v_cache, v)
-            o[span] = attend(q[span], keys, values, batch.positions[span], key_pos, D**-0.5)
+        o = paged_attention(batch, self.index, q, k, v, D**-0.5)
         out = (o.reshape(T, -1) * torch.sigmoid(gate)) @ self.o_proj.T
         return out if self.biases is None else out + self.biases[4]

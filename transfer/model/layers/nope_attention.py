@@ -7,8 +7,7 @@ import torch
 
 from transfer.geometry import GQASpec, Segment, Sharding
 from transfer.model.batch import Batch
-from transfer.model.layers.common import attend
-from transfer.model.layers.varlen import sequence_keys, write_kv
+from transfer.model.layers.varlen import paged_attention
 from transfer.model.rank_weights import RankWeights
 
 
@@ -31,15 +30,5 @@ class NoPEAttention:
         T, D = x.shape[0], self.head_dim
         q = (x @ self.q.T).view(T, -1, D)
         k, v = (x @ self.k.T).view(T, -1, D), (x @ self.v.T).view(T, -1, D)
-        k_cache = v_cache = None
-        if batch.caches is not None:
-            k_cache, v_cache = batch.caches.kv(self.index, "k"), batch.caches.kv(self.index, "v")
-            write_kv(batch, k_cache, k)
-            write_kv(batch, v_cache, v)
-        o = q.new_empty(q.shape)
-        for i in range(batch.num_sequences):
-            span = batch.span(i)
-            keys, key_pos = sequence_keys(batch, i, k_cache, k)
-            values, _ = sequence_keys(batch, i, v_cache, v)
-            o[span] = attend(q[span], keys, values, batch.positions[span], key_pos, self.scale)
+        o = paged_attention(batch, self.index, q, k, v, self.scale)
         return o.reshape(T, -1) @ self.o.T

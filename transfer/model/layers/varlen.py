@@ -13,7 +13,7 @@ import torch
 
 from kernels import causal_conv1d, causal_conv1d_update
 from transfer.model.batch import Batch, Part
-from transfer.model.layers.common import paged_read
+from transfer.model.layers.common import attend, paged_read
 
 # run(part, inputs [1, Tg, ...] each, initial_state [Ng, ...] fp32 or None) -> (out, final)
 ScanRun = Callable[[Part, Sequence[torch.Tensor], torch.Tensor | None], tuple]
@@ -123,3 +123,29 @@ def decode_attention(
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
     out = torch.einsum("nkgl,nlkd->nkgd", scores.softmax(-1), values)
     return out.reshape(n, heads, values.shape[-1])
+
+
+def paged_attention(
+    batch: Batch, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Causal attention of a step: q [T, H, D], this step's k [T, HK, D] and v [T, HK, Dv]
+    land in layer `layer`'s paged cache first (when the batch has caches). Decode tokens
+    attend all at once (`decode_attention`), each prompt chunk over its context and new
+    tokens on its own. Returns [T, H, Dv] in q's dtype."""
+    k_cache = v_cache = None
+    if batch.caches is not None:
+        k_cache, v_cache = batch.caches.kv(layer, "k"), batch.caches.kv(layer, "v")
+        write_kv(batch, k_cache, k)
+        write_kv(batch, v_cache, v)
+    o = q.new_empty(*q.shape[:2], v.shape[-1])
+    batched = batch.decode is not None and k_cache is not None
+    if batched:
+        o[batch.decode.tokens] = decode_attention(batch, q, k_cache, v_cache, scale).to(o.dtype)
+    for i, sequence in enumerate(batch.sequences):
+        if batched and not sequence.prefill:
+            continue
+        span = batch.span(i)
+        keys, key_pos = sequence_keys(batch, i, k_cache, k)
+        values, _ = sequence_keys(batch, i, v_cache, v)
+        o[span] = attend(q[span], keys, values, batch.positions[span], key_pos, scale)
+    return o
