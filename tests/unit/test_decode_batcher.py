@@ -31,7 +31,7 @@ class FakeRanks:
             self.batches.append(slots)
         time.sleep(self.step_s)
         if self.bad_slot in slots:
-            raise PdxferError(f"slot {self.bad_slot} is broken")
+            raise InvalidInput(f"slot {self.bad_slot} is broken")  # a check: nothing ran
         return [tuple(TokenPick(1000 * s.slot + s.position, -0.5) for s in command.steps)]
 
 
@@ -145,3 +145,33 @@ def test_close_ends_waiting_streams_with_closed(make):
 def test_max_num_seqs_must_be_positive():
     with pytest.raises(InvalidInput, match="max_num_seqs"):
         DecodeBatcher(FakeRanks(), 0)
+
+
+def test_ranks_that_disagree_fail_the_step(make):
+    class Diverged(FakeRanks):
+        def call(self, command):
+            (picks,) = super().call(command)
+            return [picks, tuple(TokenPick(p.token + 1, p.logprob) for p in picks)]
+
+    out = run_streams(make(Diverged()), {0: 3})
+    assert isinstance(out[0], PdxferError) and "disagree" in str(out[0])
+
+
+def test_a_failure_after_the_step_ran_fails_the_whole_batch(make):
+    """Only a failed check (nothing ran) is retried request by request; anything else may
+    have advanced some states, so no request of that batch may go on."""
+
+    class Broken(FakeRanks):
+        def call(self, command):
+            if len(command.steps) > 1:
+                with self.lock:
+                    self.batches.append(tuple(s.slot for s in command.steps))
+                raise PdxferError("rank 0: device error mid-step")
+            return super().call(command)
+
+    ranks = Broken(step_s=0.01)
+    out = run_streams(make(ranks), {0: 5, 1: 5})
+    shared = [i for i, b in enumerate(ranks.batches) if len(b) > 1]
+    assert shared, "the two requests never shared a step"
+    assert all(isinstance(out[s], PdxferError) and "mid-step" in str(out[s]) for s in (0, 1))
+    assert ranks.batches[shared[0] + 1 :] == []  # no retry one by one after such a failure

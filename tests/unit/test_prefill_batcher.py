@@ -32,7 +32,7 @@ class FakeRanks:
             self.steps.append(parts)
         time.sleep(self.step_s)
         if any(slot == self.bad_slot for slot, _, _ in parts):
-            raise PdxferError(f"slot {self.bad_slot} is broken")
+            raise InvalidInput(f"slot {self.bad_slot} is broken")  # a check: nothing ran
         return [tuple(TokenPick(100 * s + c + n, -1.0) for s, c, n in parts)]
 
 

@@ -19,8 +19,9 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
-from transfer.errors import Closed, InvalidInput, PdxferError
+from transfer.errors import Closed, InvalidInput, PdxferError, WrongState
 from transfer.serving.commands import DecodeBatch, DecodeStep, TokenPick
+from transfer.serving.rank_protocol import same_on_every_rank
 from transfer.serving.ranks import RankGroup
 
 logger = logging.getLogger(__name__)
@@ -28,7 +29,7 @@ logger = logging.getLogger(__name__)
 _DONE = object()
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: `entry in running`
 class _Running:
     request_id: str
     step: DecodeStep  # the next one to run
@@ -124,12 +125,16 @@ class DecodeBatcher:
             return
         begin = time.perf_counter()
         try:
-            picks = self.ranks.call(DecodeBatch(tuple(e.step for e in batch)))[0]
+            results = self.ranks.call(DecodeBatch(tuple(e.step for e in batch)))
+            picks = same_on_every_rank(results, "decode step")
         except PdxferError as exc:
-            if len(batch) == 1:
-                self._fail(batch[0], exc)
+            # A batch that failed its checks (bad input, a slot still FILLING) changed
+            # nothing: step each alone to find whose it is. Any other failure may have left
+            # states half-advanced, so every request of the batch fails.
+            if len(batch) == 1 or not isinstance(exc, (InvalidInput, WrongState)):
+                for entry in batch:
+                    self._fail(entry, exc)
                 return
-            # Find whose step is at fault: each alone (a failed batch changed nothing).
             logger.warning("decode batch of %d failed (%s); stepping each alone", len(batch), exc)
             for entry in batch:
                 self._step([entry])

@@ -17,14 +17,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from transfer.control.types import GREEDY, SamplingParams
-from transfer.errors import Cancelled, Closed, InvalidInput, PdxferError
+from transfer.errors import Cancelled, Closed, InvalidInput, PdxferError, WrongState
 from transfer.serving.commands import PrefillBatch, PrefillChunk, TokenPick
+from transfer.serving.rank_protocol import same_on_every_rank
 from transfer.serving.ranks import RankGroup
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: `prompt in queue`
 class _Prompt:
     request_id: str
     prompt_ids: tuple[int, ...]
@@ -128,12 +129,15 @@ class PrefillBatcher:
         )
         begin = time.perf_counter()
         try:
-            picks = self.ranks.call(PrefillBatch(chunks))[0]
+            picks = same_on_every_rank(self.ranks.call(PrefillBatch(chunks)), "prefill step")
         except PdxferError as exc:
-            if len(batch) == 1:
-                self._finish(batch[0][0], exc)
+            # A batch that failed its checks (bad input, wrong slot state) changed nothing:
+            # run each part alone to find whose it is. Any other failure may have left
+            # states half-advanced, so every part of the batch fails.
+            if len(batch) == 1 or not isinstance(exc, (InvalidInput, WrongState)):
+                for prompt, _ in batch:
+                    self._finish(prompt, exc)
                 return
-            # A failed batch changed nothing: run each alone to find whose part is at fault.
             logger.warning("prefill batch of %d failed (%s); running each alone", len(batch), exc)
             for part in batch:
                 self._step([part])

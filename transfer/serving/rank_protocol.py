@@ -146,3 +146,11 @@ def command_error(what: str, failures: list[RankFailure]) -> RankCommandError:
     kinds = {f.kind for f in failures}
     error = _ERRORS.get(kinds.pop()) if len(kinds) == 1 else None
     return (error or RankCommandError)(what, failures)
+
+
+def same_on_every_rank(results: list[R], what: str) -> R:
+    """The one answer every rank gave (they broadcast rank 0's picks). Ranks of a TP group
+    that disagree have diverged: an internal error (PdxferError), after the step ran."""
+    if any(r != results[0] for r in results[1:]):
+        raise PdxferError(f"{what}: the ranks disagree: {results}")
+    return results[0]
