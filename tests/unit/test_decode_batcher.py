@@ -75,7 +75,7 @@ def make():
 
 
 def test_each_stream_gets_its_own_tokens_and_requests_share_steps(make):
-    ranks = FakeRanks(step_s=0.01)
+    ranks = FakeRanks(step_s=0.05)  # long enough for all three threads to join on a busy box
     lengths = {0: 4, 1: 9, 2: 6}
     out = run_streams(make(ranks), lengths)
     for slot, n in lengths.items():
@@ -86,10 +86,11 @@ def test_each_stream_gets_its_own_tokens_and_requests_share_steps(make):
 
 
 def test_max_num_seqs_caps_the_batch(make):
-    ranks = FakeRanks(step_s=0.005)
+    ranks = FakeRanks(step_s=0.03)
     out = run_streams(make(ranks, max_num_seqs=2), {s: 5 for s in range(5)})
     assert all(len(out[s]) == 4 for s in range(5))
-    assert max(len(b) for b in ranks.batches) == 2
+    assert max(len(b) for b in ranks.batches) <= 2
+    assert any(len(b) == 2 for b in ranks.batches)
 
 
 def test_a_failing_request_gets_the_error_and_the_others_go_on(make):
@@ -169,7 +170,7 @@ def test_a_failure_after_the_step_ran_fails_the_whole_batch(make):
                 raise PdxferError("rank 0: device error mid-step")
             return super().call(command)
 
-    ranks = Broken(step_s=0.01)
+    ranks = Broken(step_s=0.05)
     out = run_streams(make(ranks), {0: 5, 1: 5})
     shared = [i for i, b in enumerate(ranks.batches) if len(b) > 1]
     assert shared, "the two requests never shared a step"

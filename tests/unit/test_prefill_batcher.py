@@ -77,7 +77,7 @@ def test_a_long_prompt_runs_in_chunks_of_the_budget_in_order(make):
 
 
 def test_concurrent_prompts_share_steps_within_the_budget(make):
-    ranks = FakeRanks(step_s=0.02)
+    ranks = FakeRanks(step_s=0.05)
     lengths = {0: 30, 1: 40, 2: 50, 3: 20}
     out = run_all(make(ranks, budget=100), lengths)
     assert out == {s: 100 * s + n for s, n in lengths.items()}
