@@ -40,6 +40,12 @@ KEEPALIVE_OPTIONS = (
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 0),
     ("grpc.http2.max_pings_without_data", 0),
+    # A peer that went away and came back (a supervisor restarted it) is dialled again
+    # within a second or two; gRPC's default backoff grows to 120 s, and meanwhile every
+    # call fails at once with UNAVAILABLE although the peer is serving again.
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2_000),
 )
 
 
