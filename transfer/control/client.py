@@ -42,9 +42,9 @@ KEEPALIVE_OPTIONS = (
     ("grpc.http2.max_pings_without_data", 0),
     # A peer that went away and came back (a supervisor restarted it) is dialled again
     # within a second or two; gRPC's default backoff grows to 120 s, and meanwhile every
-    # call fails at once with UNAVAILABLE although the peer is serving again.
+    # call fails at once with UNAVAILABLE although the peer is serving again. (Not
+    # grpc.min_reconnect_backoff_ms: gRPC also takes it as the connect timeout.)
     ("grpc.initial_reconnect_backoff_ms", 200),
-    ("grpc.min_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 2_000),
 )
 
