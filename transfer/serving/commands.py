@@ -66,20 +66,6 @@ class AddPeers(RankCommand[None]):
 
 
 @dataclass(frozen=True)
-class Prefill(RankCommand[TokenPick]):
-    """Run the prompt into `block_ids`/`slot`; answers the first generated token (token 0
-    of the `sampling` stream)."""
-
-    prompt_ids: tuple[int, ...]
-    block_ids: tuple[int, ...]
-    slot: int
-    sampling: SamplingParams = GREEDY
-
-    def apply(self, worker: RankWorker) -> TokenPick:
-        return worker.prefill(list(self.prompt_ids), list(self.block_ids), self.slot, self.sampling)
-
-
-@dataclass(frozen=True)
 class PrefillChunk:
     """`tokens` of a prompt after its first `context_len` (0: the prompt starts here, in
     a FREE slot), into `block_ids`/`slot`; the chunk that ends the prompt picks token 0 of

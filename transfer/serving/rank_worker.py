@@ -112,12 +112,6 @@ class RankWorker:
 
     # -- prefill side ---------------------------------------------------------------------
 
-    def prefill(
-        self, prompt_ids: list[int], block_ids: list[int], slot: int, sampling: SamplingParams
-    ) -> TokenPick:
-        pick = self.engine.prefill_pick(prompt_ids, block_ids, slot, _sampler(sampling))
-        return TokenPick(pick.token, pick.logprob)
-
     def prefill_batch(self, chunks: Sequence[PrefillChunk]) -> tuple[TokenPick, ...]:
         sequences = [SequenceStep(c.tokens, c.slot, c.block_ids, c.context_len) for c in chunks]
         samplers = [_sampler(c.sampling) for c in chunks]
