@@ -108,5 +108,6 @@ def test_workers_are_sized_from_the_config(objects):
         assert "--gpu-mem=$(PDXFER_GPU_MEM)" in flags, line.label
         assert "--max-num-seqs=$(PDXFER_MAX_NUM_SEQS)" in flags, line.label
         assert "--max-num-batched-tokens=$(PDXFER_MAX_NUM_BATCHED_TOKENS)" in flags, line.label
+        assert "--staging-mib=$(PDXFER_STAGING_MIB)" in flags, line.label
         assert parse_size(args.gpu_mem, "--gpu-mem") >= 1 << 30, line.label
         assert args.max_seqs >= 1 and args.max_num_batched_tokens >= 1, line.label

@@ -31,16 +31,21 @@ JSON_KEYS = {
     "kv_bytes", "state_bytes", "descriptors", "ttft_ms", "transfer_ms",
 }  # fmt: skip
 
-# (model, prefill TP, decode TP, transport, prompt length). The longer prompts span several
-# KV blocks (128 tokens for tiny-qwen3-next, 256 for tiny-kimi-linear at these settings).
+# (model, prefill TP, decode TP, transport, prompt length, staging MiB). The longer prompts
+# span several KV blocks (128 tokens for tiny-qwen3-next, 256 for tiny-kimi-linear at these
+# settings). Staging packs the many small ranges of these tiny models (issue 20: at most 8
+# descriptors per decode rank); the `0` cases read every range directly.
 CASES = [
-    ("tiny-qwen3-next", 1, 1, "nixl", 48),
-    ("tiny-qwen3-next", 2, 1, "nixl", 200),
-    ("tiny-qwen3-next", 1, 2, "nixl", 72),
-    ("tiny-kimi-linear", 1, 1, "nixl", 64),
-    ("tiny-kimi-linear", 2, 1, "nixl", 80),
-    ("tiny-kimi-linear", 1, 2, "nixl", 270),
+    ("tiny-qwen3-next", 1, 1, "nixl", 48, 8),
+    ("tiny-qwen3-next", 2, 1, "nixl", 200, 8),
+    ("tiny-qwen3-next", 1, 2, "nixl", 72, 8),
+    ("tiny-qwen3-next", 2, 1, "nixl", 72, 0),
+    ("tiny-kimi-linear", 1, 1, "nixl", 64, 8),
+    ("tiny-kimi-linear", 2, 1, "nixl", 80, 8),
+    ("tiny-kimi-linear", 1, 2, "nixl", 270, 8),
+    ("tiny-kimi-linear", 1, 2, "nixl", 64, 0),
 ]
+STAGED_MAX_DESCRIPTORS_PER_DECODE_RANK = 8
 
 
 def run_launch(args: list[str], timeout_s: float = 300) -> tuple[subprocess.CompletedProcess, str]:
@@ -72,12 +77,12 @@ def expected_bytes(model: str, decode_tp: int, num_tokens: int) -> tuple[int, in
     return kv * num_tokens * decode_tp, state * decode_tp
 
 
-@pytest.mark.parametrize(("model", "p_tp", "d_tp", "transport", "prompt_len"), CASES)
-def test_launch_verify_json(model, p_tp, d_tp, transport, prompt_len):
+@pytest.mark.parametrize(("model", "p_tp", "d_tp", "transport", "prompt_len", "staging"), CASES)
+def test_launch_verify_json(model, p_tp, d_tp, transport, prompt_len, staging):
     args = [
         "--model", model, "--prefill-tp", str(p_tp), "--decode-tp", str(d_tp),
         "--transport", transport, "--requests", str(REQUESTS), "--prompt-len", str(prompt_len),
-        "--max-tokens", str(MAX_TOKENS), "--verify", "--json",
+        "--max-tokens", str(MAX_TOKENS), "--verify", "--json", "--staging-mib", str(staging),
     ]  # fmt: skip
     proc, launch_id = run_launch(args)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -99,6 +104,12 @@ def test_launch_verify_json(model, p_tp, d_tp, transport, prompt_len):
         assert 0 < summary[key]["p50"] <= summary[key]["p99"]
     for row in summary["per_request"]:
         assert row["tokens"] == MAX_TOKENS and not row["error"] and not row["problems"]
+    staged_bound = STAGED_MAX_DESCRIPTORS_PER_DECODE_RANK * d_tp
+    descriptors = [row["descriptors"] for row in summary["per_request"]]
+    if staging:
+        assert max(descriptors) <= staged_bound, descriptors
+    else:
+        assert min(descriptors) > staged_bound, descriptors  # what staging saves
     assert_no_leftovers(launch_id)
 
 

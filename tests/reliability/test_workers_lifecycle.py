@@ -38,10 +38,11 @@ from transfer.serving.commands import (
     TransferStart,
     TransferState,
 )
-from transfer.serving.decode import DecodeWorker, plan_reads
+from transfer.serving.decode import DecodeWorker
 from transfer.serving.instance import Instance, InstanceConfig
 from transfer.serving.prefill import PrefillWorker
 from transfer.serving.rank_protocol import RankCommandError
+from transfer.serving.reads import plan_direct, transfer_request
 from transfer.serving.router import Router
 from transfer.serving.verify import check_request
 
@@ -238,7 +239,9 @@ def test_no_step_touches_a_slot_while_a_transfer_fills_it(cluster, spare):
         ticket = peer.client.acquire("bug6", holder)
         cache = decode.instance.pools.allocate("bug6", len(ids) + MAX_TOKENS - 1)
         blocks, slot = tuple(cache.block_ids), cache.slot_ids[0]
-        reads = plan_reads(peer, decode.instance.layouts, ticket, blocks[:1], slot)
+        reads = plan_direct(
+            peer.layouts, decode.instance.layouts, transfer_request(ticket, blocks[:1], slot)
+        )
         os.kill(rank, signal.SIGSTOP)
         try:
             ranks.call(TransferStart("bug6", peer.instance_id, reads.per_rank, slot, blocks[:1], 60.0))  # fmt: skip
@@ -280,7 +283,9 @@ def test_an_unfinished_transfer_never_becomes_readable(cluster, spare):
     ticket = peer.client.acquire("cancelled", decode.worker.instance_id)
     cache = decode.instance.pools.allocate("cancelled", len(ids))
     blocks, slot = tuple(cache.block_ids), cache.slot_ids[0]
-    reads = plan_reads(peer, decode.instance.layouts, ticket, blocks, slot)
+    reads = plan_direct(
+        peer.layouts, decode.instance.layouts, transfer_request(ticket, blocks, slot)
+    )
     os.kill(rank, signal.SIGSTOP)
     try:
         ranks.call(TransferStart("cancelled", peer.instance_id, reads.per_rank, slot, blocks, 30.0))  # fmt: skip

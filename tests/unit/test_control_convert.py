@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from transfer.control import convert
@@ -13,12 +15,15 @@ from transfer.control.types import (
     HandshakeReply,
     HandshakeRequest,
     PrefillRequest,
+    RankGather,
+    StageRequest,
     Ticket,
     TokenEvent,
     compat_hash,
     compat_mismatch,
     make_compat,
 )
+from transfer.errors import InvalidInput
 
 TICKET = Ticket("r1", "p0", (7, 3, 9), 4, 40, 1234, 1.7e9 + 0.25, "10.0.0.1:50051")
 COMPAT = make_compat(geometry="qwen3-next/tp2", dtypes="bf16/fp32", block_size=16, layout_version=3)
@@ -155,3 +160,34 @@ def test_config_rejects_bad_bounds(kwargs, field):
     )
     with pytest.raises(ValueError, match=field):
         ControlConfig(**args)
+
+
+STAGE = StageRequest("r1", "d0", (RankGather((0, 4096), (64, 128)), RankGather((), ())))
+
+
+def test_stage_request_round_trip_and_extent():
+    assert convert.stage_request_from_pb(convert.stage_request_to_pb(STAGE)) == STAGE
+    assert STAGE.nbytes == 192  # the busiest rank's bytes: one extent per rank
+
+
+@pytest.mark.parametrize(
+    ("ranks", "field"),
+    [
+        ([transfer_pb2.RankGather(src_offsets=[0, 8], lengths=[4])], "ranks[0]: 2 src_offsets"),
+        ([transfer_pb2.RankGather(src_offsets=[-1], lengths=[4])], "ranks[0].src_offsets[0]"),
+        ([transfer_pb2.RankGather(src_offsets=[0], lengths=[0])], "ranks[0].lengths[0]"),
+        (
+            [transfer_pb2.RankGather(), transfer_pb2.RankGather(src_offsets=[0], lengths=[-3])],
+            "ranks[1].lengths[0]",
+        ),
+    ],
+)
+def test_stage_request_names_the_malformed_field(ranks, field):
+    message = transfer_pb2.StageRequest(request_id="r1", holder="d0", ranks=ranks)
+    with pytest.raises(InvalidInput, match=re.escape(field)):
+        convert.stage_request_from_pb(message)
+
+
+def test_stage_request_needs_its_ids():
+    with pytest.raises(InvalidInput, match="holder"):
+        convert.stage_request_from_pb(transfer_pb2.StageRequest(request_id="r1"))

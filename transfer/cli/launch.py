@@ -65,6 +65,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--timeout", type=float, default=300.0, help="seconds for startup and for the requests"
     )
     parser.add_argument(
+        "--staging-mib",
+        type=int,
+        default=8,
+        help="each worker's staging pool per rank; 0 reads every range directly (default 8)",
+    )
+    parser.add_argument(
         "--keep-logs", action="store_true", help="keep the run directory (logs, cache dumps)"
     )
     parser.set_defaults(func=run)
@@ -131,7 +137,7 @@ def launch(config: LaunchConfig) -> int:
             config.model, config.prefill_tp, config.decode_tp, config.ssm_dtype,
             config.transport, config.gpu_mem, config.device, max_seqs=len(prompts),
             block_size=config.block_size, seed=config.seed, dump_dir=dump_dir,
-            timeout_s=config.timeout,
+            timeout_s=config.timeout, staging_mib=config.staging_mib,
         ),
         run_dir,
     )  # fmt: skip

@@ -32,6 +32,7 @@ class LaunchConfig:
     device: str = "cpu"
     timeout: float = 300.0
     keep_logs: bool = False
+    staging_mib: int = 8
 
     def __post_init__(self) -> None:
         for name in _AT_LEAST_ONE:
@@ -40,3 +41,5 @@ class LaunchConfig:
                 raise InvalidInput(f"--{flag} must be >= 1, got {getattr(self, name)}")
         if self.timeout <= 0:
             raise InvalidInput(f"--timeout must be > 0, got {self.timeout}")
+        if self.staging_mib < 0:
+            raise InvalidInput(f"--staging-mib must be >= 0, got {self.staging_mib}")

@@ -67,6 +67,20 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
         "(default 2048)",
     )
     parser.add_argument(
+        "--staging-mib",
+        type=int,
+        default=8,
+        help="per rank, a pool (beyond --gpu-mem) into which a transfer's many small ranges "
+        "are packed so they cross as one READ; 0 sends every range directly (default 8)",
+    )
+    parser.add_argument(
+        "--staging-min-ranges",
+        type=int,
+        default=8,
+        help="decode stages a prefill rank's ranges under 64 KiB once there are this many "
+        "(default 8)",
+    )
+    parser.add_argument(
         "--max-queue",
         type=int,
         default=32,

@@ -18,6 +18,7 @@ from transfer.control.types import (
     HandshakeReply,
     HandshakeRequest,
     PrefillRequest,
+    StageRequest,
     Ticket,
     TokenEvent,
     compat_hash,
@@ -165,6 +166,11 @@ class TransferClient(_Client):
             request_id=request_id, reason=reason, abort_key=abort_key
         )
         self._call(self._stub.Abort, request)
+
+    def stage(self, request: StageRequest) -> int:
+        """Have the prefill ranks pack these ranges into staging; returns the arena offset
+        where each rank's packed bytes start. RESOURCE_EXHAUSTED: read them directly."""
+        return self._call(self._stub.Stage, convert.stage_request_to_pb(request)).staging_offset
 
 
 class PrefillClient(_Client):

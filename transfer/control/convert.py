@@ -11,12 +11,15 @@ import math
 
 from transfer.control.gen import transfer_pb2, worker_pb2
 from transfer.control.types import (
+    MAX_STAGE_RANGES,
     DecodeRequest,
     GenerateRequest,
     HandshakeReply,
     HandshakeRequest,
     PrefillRequest,
+    RankGather,
     SamplingParams,
+    StageRequest,
     Ticket,
     TokenEvent,
     validate_id,
@@ -95,6 +98,37 @@ def handshake_reply_from_pb(m: transfer_pb2.HandshakeReply) -> HandshakeReply:
         rank_metadata=tuple(m.rank_metadata),
         rank_layouts=tuple(m.rank_layouts),
     )
+
+
+def stage_request_to_pb(r: StageRequest) -> transfer_pb2.StageRequest:
+    return transfer_pb2.StageRequest(
+        request_id=r.request_id,
+        holder=r.holder,
+        ranks=[
+            transfer_pb2.RankGather(src_offsets=list(g.src_offsets), lengths=list(g.lengths))
+            for g in r.ranks
+        ],
+    )
+
+
+def stage_request_from_pb(m: transfer_pb2.StageRequest) -> StageRequest:
+    validate_id(m.request_id, "request_id")
+    validate_id(m.holder, "holder")
+    ranks = []
+    for r, g in enumerate(m.ranks):
+        field = f"ranks[{r}]"
+        if len(g.src_offsets) != len(g.lengths):
+            raise InvalidInput(
+                f"{field}: {len(g.src_offsets)} src_offsets but {len(g.lengths)} lengths"
+            )
+        if len(g.lengths) > MAX_STAGE_RANGES:
+            raise InvalidInput(f"{field}: at most {MAX_STAGE_RANGES} ranges")
+        for i, (src, n) in enumerate(zip(g.src_offsets, g.lengths, strict=True)):
+            _non_negative(src, f"{field}.src_offsets[{i}]")
+            if n < 1:
+                raise InvalidInput(f"{field}.lengths[{i}]: must be >= 1, got {n}")
+        ranks.append(RankGather(tuple(g.src_offsets), tuple(g.lengths)))
+    return StageRequest(m.request_id, m.holder, tuple(ranks))
 
 
 def sampling_to_pb(s: SamplingParams) -> worker_pb2.Sampling:

@@ -102,6 +102,18 @@ class WorkerMetrics:
             registry=r,
         )
 
+        self.staging_free_bytes = Gauge(
+            "pdxfer_staging_free_bytes", "Free bytes of the staging pool (per rank)", registry=r
+        )
+        self.staging_total_bytes = Gauge(
+            "pdxfer_staging_total_bytes", "Bytes of the staging pool (per rank)", registry=r
+        )
+        self.transfers_staged = Counter(
+            "pdxfer_transfers_staged",
+            "Transfers whose small ranges were packed into staging (counted where staged)",
+            registry=r,
+        )
+
         self.requests_running = Gauge(
             "pdxfer_requests_running", "Requests in the decode batch (or joining it)", registry=r
         )
@@ -125,6 +137,11 @@ class WorkerMetrics:
         """Read the request gauges from the owner's callables at scrape time."""
         self.requests_running.set_function(running)
         self.requests_waiting.set_function(waiting)
+
+    def track_staging(self, *, free: Callable[[], float], total: float) -> None:
+        """Read the staging pool's free bytes at scrape time."""
+        self.staging_free_bytes.set_function(free)
+        self.staging_total_bytes.set(total)
 
     def record_decode_step(self, batch_size: int, seconds: float) -> None:
         """One batched decode step of `batch_size` requests took `seconds`."""

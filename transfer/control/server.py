@@ -24,6 +24,7 @@ from transfer.control.types import (
     GenerateRequest,
     HandshakeReply,
     PrefillRequest,
+    StageRequest,
     Ticket,
     TokenEvent,
 )
@@ -125,6 +126,7 @@ def serve(
     *,
     store: TicketStore | None = None,
     identity: HandshakeReply | None = None,
+    stage: Callable[[StageRequest], int] | None = None,
     prefill: Callable[[PrefillRequest, Callable[[], bool]], Ticket] | None = None,
     decode: Callable[[DecodeRequest], Iterable[TokenEvent]] | None = None,
     generate: Callable[[GenerateRequest], Iterable[TokenEvent]] | None = None,
@@ -136,7 +138,8 @@ def serve(
 ) -> ControlServer:
     """Start a server on `address` ("host:port"; port 0 picks one) hosting the given services.
 
-    `store` + `identity` host TransferService (a prefill instance); `prefill`,
+    `store` + `identity` host TransferService (a prefill instance; `stage` packs a held
+    ticket's ranges into staging and returns the extent's offset); `prefill`,
     `decode`, `generate` host the worker and router services with dataclass
     handlers. `token` requires `authorization: Bearer <token>` on every call
     except health checks; `tls` serves TLS (mTLS when `tls.ca` is set).
@@ -157,7 +160,7 @@ def serve(
     services: list[str] = []
     if store is not None:
         transfer_pb2_grpc.add_TransferServiceServicer_to_server(
-            TransferServicer(store, identity), server
+            TransferServicer(store, identity, stage), server
         )
         services.append(TRANSFER_SERVICE)
     if prefill is not None:

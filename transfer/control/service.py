@@ -22,13 +22,14 @@ from transfer.control.types import (
     GenerateRequest,
     HandshakeReply,
     PrefillRequest,
+    StageRequest,
     Ticket,
     TokenEvent,
     compat_hash,
     compat_mismatch,
     validate_compat,
 )
-from transfer.errors import InvalidInput, WrongState
+from transfer.errors import CapacityError, InvalidInput, WrongState
 
 logger = logging.getLogger(__name__)
 
@@ -38,12 +39,18 @@ MAX_REGISTERED = 1024
 class TransferServicer(transfer_pb2_grpc.TransferServiceServicer):
     """The prefill side's TransferService. `identity` is what Handshake answers with."""
 
-    def __init__(self, store: TicketStore, identity: HandshakeReply):
+    def __init__(
+        self,
+        store: TicketStore,
+        identity: HandshakeReply,
+        stage: Callable[[StageRequest], int] | None = None,
+    ):
         validate_compat(identity.compat, "identity.compat")
         if identity.compat_hash != compat_hash(identity.compat):
             raise InvalidInput("identity.compat_hash: does not match identity.compat")
         self.store = store
         self.identity = identity
+        self._stage = stage
 
     def handshake(self, m: transfer_pb2.HandshakeRequest) -> transfer_pb2.HandshakeReply:
         request = convert.handshake_request_from_pb(m)
@@ -74,6 +81,13 @@ class TransferServicer(transfer_pb2_grpc.TransferServiceServicer):
         self.store.abort(m.request_id, m.reason, m.abort_key)
         return transfer_pb2.AbortReply()
 
+    def stage(self, m: transfer_pb2.StageRequest) -> transfer_pb2.StageReply:
+        request = convert.stage_request_from_pb(m)
+        self.store.heartbeat(request.request_id, request.holder)  # held by the caller
+        if self._stage is None:
+            raise CapacityError("staging: this prefill instance has no staging area")
+        return transfer_pb2.StageReply(staging_offset=self._stage(request))
+
     def Handshake(self, request, context):
         return unary(context, self.handshake, request)
 
@@ -88,6 +102,9 @@ class TransferServicer(transfer_pb2_grpc.TransferServiceServicer):
 
     def Abort(self, request, context):
         return unary(context, self.abort, request)
+
+    def Stage(self, request, context):
+        return unary(context, self.stage, request)
 
 
 class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):

@@ -92,6 +92,35 @@ class HandshakeReply:
     rank_layouts: tuple[bytes, ...] = ()
 
 
+MAX_STAGE_RANGES = 1 << 20  # per rank: a request's ranges, never more than its blocks x layers
+
+
+@dataclass(frozen=True)
+class RankGather:
+    """The byte ranges one prefill rank packs back to back, in order."""
+
+    src_offsets: tuple[int, ...]
+    lengths: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.lengths)
+
+
+@dataclass(frozen=True)
+class StageRequest:
+    """Pack `ranks[r]`'s ranges on prefill rank r into staging (one entry per rank)."""
+
+    request_id: str
+    holder: str
+    ranks: tuple[RankGather, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """The staging extent one rank needs: the largest rank's bytes."""
+        return max((g.nbytes for g in self.ranks), default=0)
+
+
 MAX_SEED = (1 << 64) - 1
 
 

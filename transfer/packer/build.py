@@ -11,7 +11,7 @@ import numpy as np
 from transfer.cache.layout import Layout
 from transfer.errors import InvalidInput
 from transfer.packer.pieces import decode_rank_pieces
-from transfer.packer.plan import Mode, Ranges, SourcePlan, TransferPlan
+from transfer.packer.plan import Mode, Ranges, SourcePlan, StagingWindow, TransferPlan
 from transfer.packer.request import TransferRequest, validate
 from transfer.units import format_bytes
 
@@ -72,6 +72,8 @@ def _source_plan(
     d_layout: Layout,
     policy: StagingPolicy,
     cursor: _StagingCursor,
+    p_window: StagingWindow,
+    d_window: StagingWindow,
 ) -> SourcePlan:
     def plan(wire: Ranges, gather: Ranges, scatter: Ranges, mode: Mode, reason: str) -> SourcePlan:
         return SourcePlan(
@@ -97,20 +99,21 @@ def _source_plan(
     src, dst, lengths = direct.src[small], direct.dst[small], direct.lengths[small]
     total = int(lengths.sum())
     p_at, d_at = cursor.prefill[rank], cursor.decode[d_layout.rank]
-    if p_at + total > p_layout.staging_bytes or d_at + total > d_layout.staging_bytes:
+    if p_at + total > p_window.nbytes or d_at + total > d_window.nbytes:
         return plan(
             direct,
             Ranges.empty(),
             Ranges.empty(),
             Mode.DIRECT,
             f"direct: {len(direct)} ranges; staging its {n_small} under {limit} needs "
-            f"{format_bytes(total)}, free: prefill {format_bytes(p_layout.staging_bytes - p_at)}, "
-            f"decode {format_bytes(d_layout.staging_bytes - d_at)}",
+            f"{format_bytes(total)}, free: prefill {format_bytes(p_window.nbytes - p_at)}, "
+            f"decode {format_bytes(d_window.nbytes - d_at)}",
         )
     cursor.prefill[rank] += total
     cursor.decode[d_layout.rank] += total
     within = np.concatenate(([0], np.cumsum(lengths)[:-1]))
-    p_stage, d_stage = p_layout.staging_offset + p_at, d_layout.staging_offset + d_at
+    p_stage = p_layout.staging_offset + p_window.offset + p_at
+    d_stage = d_layout.staging_offset + d_window.offset + d_at
     gather = coalesce(src, p_stage + within, lengths)
     scatter = coalesce(d_stage + within, dst, lengths)
     large = ~small
@@ -134,16 +137,23 @@ def plan_transfer(
     decode: Sequence[Layout],
     request: TransferRequest,
     policy: StagingPolicy | None = None,
+    prefill_window: StagingWindow | None = None,
+    decode_window: StagingWindow | None = None,
 ) -> tuple[TransferPlan, ...]:
     """One `TransferPlan` per decode rank for `request`.
 
     `prefill` / `decode`: one layout per rank, in rank order. Raises InvalidInput naming the
-    field for bad input (nothing is planned). Staged plans of one call use disjoint parts
-    of each staging area; the caller must not run two staged plans on a rank at once.
+    field for bad input (nothing is planned). Staged bytes go back to back into each side's
+    window (default: the whole staging area), so plans with disjoint windows may run at
+    once; the plans of one call never overlap each other.
     """
     prefill, decode = tuple(prefill), tuple(decode)
     validate(prefill, decode, request)
     policy = policy or StagingPolicy()
+    p_window = prefill_window or StagingWindow(0, prefill[0].staging_bytes)
+    d_window = decode_window or StagingWindow(0, decode[0].staging_bytes)
+    p_window.check(prefill[0].staging_bytes, "prefill_window")
+    d_window.check(decode[0].staging_bytes, "decode_window")
     cursor = _StagingCursor()
     plans = []
     for d_layout in decode:
@@ -158,6 +168,8 @@ def plan_transfer(
                 d_layout,
                 policy,
                 cursor,
+                p_window,
+                d_window,
             )
             for p, piece in pieces.items()
         )
@@ -171,3 +183,39 @@ def naive_descriptors(plans: Sequence[TransferPlan]) -> int:
     """What posting one descriptor per (layer, block, K/V region) and per (state tensor,
     slot), per source rank, would take for these plans, as vLLM's NixlConnector does."""
     return sum(plan.naive_descriptors for plan in plans)
+
+
+def staging_extents(plans: Sequence[TransferPlan]) -> tuple[int, int]:
+    """(prefill, decode): the staging bytes `plans` pack on the busiest rank of each side,
+    i.e. the window each side needs."""
+    prefill: dict[int, int] = defaultdict(int)
+    decode: dict[int, int] = defaultdict(int)
+    for plan in plans:
+        for source in plan.sources:
+            prefill[source.prefill_rank] += source.gather.nbytes
+            decode[plan.decode_rank] += source.scatter.nbytes
+    return max(prefill.values(), default=0), max(decode.values(), default=0)
+
+
+def prefill_gathers(plans: Sequence[TransferPlan], num_prefill_ranks: int) -> tuple[Ranges, ...]:
+    """Per prefill rank, its gather ranges of every plan in staging order. Packed back to
+    back from its window's start, they land exactly where the plans put them."""
+    per_rank: list[list[Ranges]] = [[] for _ in range(num_prefill_ranks)]
+    for plan in plans:
+        for source in plan.sources:
+            if len(source.gather):
+                per_rank[source.prefill_rank].append(source.gather)
+    out = []
+    for parts in per_rank:
+        if not parts:
+            out.append(Ranges.empty())
+            continue
+        src, dst, lengths = (
+            np.concatenate(columns) for columns in zip(*(p.arrays() for p in parts), strict=True)
+        )
+        order = np.argsort(dst, kind="stable")
+        src, dst, lengths = src[order], dst[order], lengths[order]
+        if (dst[1:] != dst[:-1] + lengths[:-1]).any():
+            raise AssertionError("packer left a gap between staged ranges")
+        out.append(Ranges(src, dst, lengths))
+    return tuple(out)

@@ -51,6 +51,28 @@ class Ranges:
         yield from zip(self.src.tolist(), self.dst.tolist(), self.lengths.tolist(), strict=True)
 
 
+@dataclass(frozen=True)
+class StagingWindow:
+    """The part of every rank's staging area that one plan may pack into: `nbytes` from
+    `offset` bytes into the area (the same offset on every rank of an instance)."""
+
+    offset: int
+    nbytes: int
+
+    def check(self, staging_bytes: int, field: str) -> None:
+        """Raise InvalidInput naming `field` unless the window lies inside an area of
+        `staging_bytes`."""
+        for name in ("offset", "nbytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise InvalidInput(f"{field}.{name}: must be an integer >= 0, got {value!r}")
+        if self.offset + self.nbytes > staging_bytes:
+            raise InvalidInput(
+                f"{field}: [{self.offset}, {self.offset + self.nbytes}) exceeds the staging "
+                f"area of {staging_bytes} bytes"
+            )
+
+
 class Mode(str, enum.Enum):
     DIRECT = "direct"  # every range goes on the wire as it is
     STAGED = "staged"  # all ranges are gathered into staging: one wire range

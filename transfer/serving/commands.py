@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from transfer.control.types import GREEDY, SamplingParams
 from transfer.serving.rank_protocol import RankCommand
-from transfer.serving.spec import RankReads
+from transfer.serving.spec import Copies, RankReads
 
 if TYPE_CHECKING:
     from transfer.serving.rank_worker import RankWorker
@@ -88,6 +88,16 @@ class PrefillBatch(RankCommand[tuple[TokenPick, ...]]):
 
     def apply(self, worker: RankWorker) -> tuple[TokenPick, ...]:
         return worker.prefill_batch(self.chunks)
+
+
+@dataclass(frozen=True)
+class StageGather(RankCommand[None]):
+    """Pack `copies[rank]` (a held ticket's ranges) into this rank's staging area."""
+
+    copies: tuple[Copies, ...]
+
+    def apply(self, worker: RankWorker) -> None:
+        worker.stage_gather(self.copies[worker.spec.rank])
 
 
 @dataclass(frozen=True)

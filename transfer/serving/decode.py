@@ -2,7 +2,8 @@
 
 Per request: handshake once per prefill instance (cached), Acquire the ticket, allocate
 blocks for the whole generation and a slot (all or nothing), plan each rank's READs with
-the packer, post them (slot FILLING), poll until every rank is DONE (slot READY; the lease
+the packer (asking the prefill instance to pack many small ranges into staging first:
+`reads.py`), post them (slot FILLING), poll until every rank is DONE (slot READY; the lease
 is heartbeated meanwhile), Release the ticket, then decode step by step from the
 transferred state. Any failure Aborts the ticket and frees everything taken here.
 """
@@ -28,7 +29,6 @@ from transfer.errors import (
     PeerUnavailable,
     TransferFailed,
 )
-from transfer.packer import StagingPolicy, TransferRequest, plan_transfer
 from transfer.serving.commands import (
     AddPeers,
     DecodeStep,
@@ -43,8 +43,8 @@ from transfer.serving.commands import (
 from transfer.serving.decode_batcher import DecodeBatcher
 from transfer.serving.instance import Instance
 from transfer.serving.rank_protocol import RankCommandError
+from transfer.serving.reads import Reads, plan_reads, transfer_request
 from transfer.serving.router import resolve
-from transfer.serving.spec import RankReads, ReadBatch
 
 logger = logging.getLogger(__name__)
 
@@ -62,44 +62,6 @@ class Peer:
     address: str
     layouts: tuple[Layout, ...]
     client: TransferClient
-
-
-@dataclass(frozen=True)
-class Reads:
-    """The transfer of one request, planned: per-rank READs and what they move."""
-
-    per_rank: tuple[RankReads, ...]
-    kv_bytes: int
-    state_bytes: int
-    descriptors: int
-
-
-def plan_reads(peer: Peer, local: tuple[Layout, ...], ticket: Ticket, blocks, slot: int) -> Reads:
-    """Per decode rank, the READs that pull `ticket`'s cache into `blocks`/`slot`."""
-    request = TransferRequest(
-        num_tokens=ticket.num_tokens,
-        src_blocks=ticket.block_ids,
-        src_slots=(ticket.slot_id,),
-        dst_blocks=tuple(blocks),
-        dst_slots=(slot,),
-    )
-    plans = plan_transfer(peer.layouts, local, request, StagingPolicy(enabled=False))
-    per_rank = tuple(
-        RankReads(
-            tuple(
-                ReadBatch(s.prefill_rank, s.wire.dst, s.wire.src, s.wire.lengths)
-                for s in plan.sources
-                if len(s.wire)
-            )
-        )
-        for plan in plans
-    )
-    return Reads(
-        per_rank,
-        sum(p.kv_bytes for p in plans),
-        sum(p.state_bytes for p in plans),
-        sum(p.descriptors for p in plans),
-    )
 
 
 class DecodeWorker:
@@ -135,6 +97,8 @@ class DecodeWorker:
                 running=lambda: self.batcher.num_running,
                 waiting=lambda: instance.admission.waiting,
             )
+            staging = instance.staging
+            metrics.track_staging(free=lambda: staging.free_bytes, total=staging.capacity_bytes)
 
     # -- handshake ------------------------------------------------------------------------
 
@@ -221,8 +185,18 @@ class DecodeWorker:
         released = False
         try:
             prompt_blocks = blocks[: self.instance.layouts[0].blocks_for(ticket.num_tokens)]
-            reads = plan_reads(peer, self.instance.layouts, ticket, prompt_blocks, slot)
+            reads = plan_reads(
+                peer.layouts,
+                self.instance.layouts,
+                transfer_request(ticket, prompt_blocks, slot),
+                request_id=rid,
+                holder=self.instance_id,
+                stager=peer.client,
+                pool=self.instance.staging,
+                min_small_ranges=self.instance.config.staging_min_ranges,
+            )
             transfer_s = self._transfer(peer, ticket, reads, prompt_blocks, slot)
+            self.instance.staging.free(rid)  # every READ landed and was unpacked
             if self.instance.config.dump_dir:
                 ranks.call(Snapshot(rid, "decode", blocks, slot, ticket.num_tokens))
             peer.client.release(rid, self.instance_id, ticket.block_ids, ticket.slot_id)
@@ -275,6 +249,7 @@ class DecodeWorker:
             self._hold_until_settled(rid, slot)
 
     def _free(self, rid: str, slot: int) -> None:
+        self.instance.staging.free(rid)
         try:
             self.instance.ranks.call(Release(slot))
         except PdxferError as exc:

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 from transfer.cache.layout import Layout
 from transfer.cache.pools import CachePools
+from transfer.cache.staging_pool import PAGE_BYTES as STAGING_PAGE_BYTES
+from transfer.cache.staging_pool import StagingPool
 from transfer.control.types import make_compat
 from transfer.errors import InvalidInput
 from transfer.geometry import ModelGeometry
@@ -24,7 +26,7 @@ from transfer.memplan import MemoryPlan, PagePolicy, plan_memory
 from transfer.serving.admission import Admission
 from transfer.serving.commands import Info
 from transfer.serving.ranks import RankGroup
-from transfer.serving.spec import RankSpec
+from transfer.serving.spec import STAGING_RESERVED_BYTES, RankSpec
 from transfer.sizing import CacheDtypes
 
 logger = logging.getLogger(__name__)
@@ -53,6 +55,8 @@ class InstanceConfig:
     model: str = ""  # a preset name or a checkpoint directory; "" = geometry.name
     ssm_dtype: str = "auto"  # the recurrent state's dtype; auto = the config's, else the model's
     max_num_batched_tokens: int = 2048  # prompt tokens per prefill step (longer ones chunk)
+    staging_bytes: int = 0  # per rank, for staged transfers (0: every READ is direct)
+    staging_min_ranges: int = 8  # stage a source's small ranges once it has this many
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
@@ -62,6 +66,13 @@ class InstanceConfig:
                 raise InvalidInput(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.max_queue < 0:
             raise InvalidInput(f"max_queue: must be >= 0, got {self.max_queue}")
+        if self.staging_bytes < 0 or self.staging_bytes % STAGING_PAGE_BYTES:
+            raise InvalidInput(
+                f"staging_bytes: must be a multiple of {STAGING_PAGE_BYTES} >= 0, "
+                f"got {self.staging_bytes}"
+            )
+        if self.staging_min_ranges < 1:
+            raise InvalidInput(f"staging_min_ranges: must be >= 1, got {self.staging_min_ranges}")
         if self.tp % self.nnodes:
             raise InvalidInput(f"nnodes: {self.nnodes} must divide tp {self.tp}")
         if not 0 <= self.node_rank < self.nnodes:
@@ -125,6 +136,7 @@ def rank_specs(config: InstanceConfig, plan: MemoryPlan) -> list[RankSpec]:
             local_rank=rank - config.node_rank * per_node,
             seed=config.seed,
             dump_dir=config.dump_dir,
+            staging_bytes=config.staging_bytes,
             env=env,
         )
         for rank in range(config.node_rank * per_node, (config.node_rank + 1) * per_node)
@@ -156,6 +168,7 @@ class Instance:
         self.layouts = tuple(Layout.from_dict(json.loads(b)) for b in self.rank_layouts)
         self.pools = CachePools.from_plan(self.plan)
         self.admission = Admission(self.pools, config.max_queue)
+        self.staging = StagingPool(self.layouts[0].staging_bytes, STAGING_RESERVED_BYTES)
         fields = self.layouts[0].compat_fields()
         self.compat = make_compat(**{k: str(v) for k, v in fields.items()})
         logger.info(

@@ -36,6 +36,7 @@ class LocalPairConfig:
     lease_s: float = 30.0
     metrics: bool = False  # serve /metrics on each worker (a free port each)
     max_num_batched_tokens: int = 2048
+    staging_mib: int = 8
 
 
 class LocalPair:
@@ -62,6 +63,7 @@ class LocalPair:
             "--ssm-dtype", c.ssm_dtype, "--transport", c.transport, "--gpu-mem", c.gpu_mem,
             "--device", c.device, "--max-seqs", str(c.max_seqs),
             "--max-num-batched-tokens", str(c.max_num_batched_tokens),
+            "--staging-mib", str(c.staging_mib),
             "--block-size", str(c.block_size), "--seed", str(c.seed),
             *(["--dump-dir", str(c.dump_dir)] if c.dump_dir else []),
             "--tp", str(tp), "--instance-id", f"{role}-0", "--lease-seconds", str(c.lease_s),

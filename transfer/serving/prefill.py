@@ -9,7 +9,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+import numpy as np
+
 from transfer.cache.extents import count_runs
+from transfer.control.errors import UnknownRequest
 from transfer.control.metrics import WorkerMetrics
 from transfer.control.tickets import TicketStore
 from transfer.control.types import (
@@ -17,14 +20,16 @@ from transfer.control.types import (
     FreeReason,
     HandshakeReply,
     PrefillRequest,
+    StageRequest,
     Ticket,
     compat_hash,
 )
-from transfer.errors import InvalidInput
-from transfer.serving.commands import Release, Snapshot
+from transfer.errors import CapacityError, InvalidInput
+from transfer.serving.commands import Release, Snapshot, StageGather
 from transfer.serving.instance import Instance
 from transfer.serving.prefill_batcher import PrefillBatcher
 from transfer.serving.rank_protocol import RankCommandError, RankGroupDead
+from transfer.serving.spec import Copies
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +73,8 @@ class PrefillWorker:
                 running=lambda: self.batcher.num_waiting,
                 waiting=lambda: instance.admission.waiting,
             )
+            staging = instance.staging
+            metrics.track_staging(free=lambda: staging.free_bytes, total=staging.capacity_bytes)
 
     def start(self) -> PrefillWorker:
         self.store.start()
@@ -101,12 +108,45 @@ class PrefillWorker:
             self._free(rid, slot)
             raise
 
+    def stage(self, request: StageRequest) -> int:
+        """Pack a held ticket's ranges (`request.ranks[r]` on rank r) back to back into one
+        staging extent; returns its arena offset, the same on every rank. The extent goes
+        back with the ticket. CapacityError when no extent is free: the caller reads the
+        ranges directly."""
+        layouts, staging = self.instance.layouts, self.instance.staging
+        if len(request.ranks) != len(layouts):
+            raise InvalidInput(
+                f"ranks: {len(request.ranks)} given, this instance has tp {len(layouts)}"
+            )
+        nbytes, rid = request.nbytes, request.request_id
+        if nbytes == 0:
+            raise InvalidInput("ranks: no range to stage")
+        offset = staging.allocate(rid, nbytes)
+        if offset is None:
+            raise CapacityError(
+                f"staging: {nbytes} bytes asked, the largest free extent is "
+                f"{staging.largest_free_bytes} of {staging.capacity_bytes}"
+            )
+        base = layouts[0].staging_offset + offset
+        try:
+            copies = tuple(_packed(g.src_offsets, g.lengths, base) for g in request.ranks)
+            self.instance.ranks.call(StageGather(copies))
+            if self.store.get(rid) is None:  # freed meanwhile: `_on_free` found no extent
+                raise UnknownRequest(f"request_id {rid!r}: freed while staging")
+        except BaseException:
+            staging.free(rid)
+            raise
+        if self.metrics is not None:
+            self.metrics.transfers_staged.inc()
+        return base
+
     def _on_free(self, ticket: Ticket, reason: FreeReason) -> None:
         if reason is not FreeReason.RELEASED:
             logger.info("request %r freed: %s", ticket.request_id, reason.value)
         self._free(ticket.request_id, ticket.slot_id)
 
     def _free(self, request_id: str, slot: int) -> None:
+        self.instance.staging.free(request_id)
         try:
             self.instance.ranks.call(Release(slot))
         except (RankCommandError, RankGroupDead) as exc:
@@ -117,3 +157,10 @@ class PrefillWorker:
     def close(self) -> None:
         self.batcher.close()
         self.store.stop()
+
+
+def _packed(src_offsets: tuple[int, ...], lengths: tuple[int, ...], start: int) -> Copies:
+    src = np.array(src_offsets, dtype=np.int64)
+    nbytes = np.array(lengths, dtype=np.int64)
+    dst = start + np.concatenate(([0], np.cumsum(nbytes)[:-1])).astype(np.int64)
+    return Copies(src, dst[: len(nbytes)], nbytes)

@@ -21,6 +21,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from transfer.cache.arena import Arena
@@ -41,7 +42,13 @@ from transfer.serving.commands import (
     TransferState,
     TransferStatus,
 )
-from transfer.serving.spec import WARMUP_BYTES, RankReads, RankSpec
+from transfer.serving.spec import (
+    WARMUP_BYTES,
+    Copies,
+    RankReads,
+    RankSpec,
+    staging_area_bytes,
+)
 from transfer.serving.verify import save_snapshot, snapshot_request
 
 logger = logging.getLogger(__name__)
@@ -51,6 +58,7 @@ logger = logging.getLogger(__name__)
 class _Transfer:
     slot: int
     posted_at: float  # time.monotonic() on this rank
+    scatter: Copies  # unpacks the staged part once every READ landed
     handles: list[int] = field(default_factory=list)
     status: TransferStatus = TransferStatus(TransferState.PENDING)
 
@@ -61,8 +69,9 @@ def build_rank_worker(spec: RankSpec, group) -> RankWorker:
 
 
 def layout_for(spec: RankSpec) -> Layout:
+    staging = staging_area_bytes(spec.staging_bytes)
     return Layout.from_memplan(
-        spec.geometry, spec.tp, spec.rank, spec.plan, spec.dtypes, staging_bytes=WARMUP_BYTES
+        spec.geometry, spec.tp, spec.rank, spec.plan, spec.dtypes, staging_bytes=staging
     )
 
 
@@ -118,6 +127,48 @@ class RankWorker:
         output = self.batch.step(sequences, samplers, [0] * len(chunks))
         return tuple(TokenPick(p.token, p.logprob) for p in output.picks)
 
+    def stage_gather(self, copies: Copies) -> None:
+        """Pack cache ranges back to back into this rank's staging area (`copies.dst` are
+        consecutive), done before this returns: the decode side READs them next."""
+        if not len(copies):
+            return
+        from kernels import gather_ranges
+
+        start, total = self._check_copies(copies, packed="dst")
+        buffer = self.arena.buffer
+        src, lengths = torch.from_numpy(copies.src), torch.from_numpy(copies.nbytes)
+        gather_ranges(buffer, src, lengths, out=buffer[start : start + total])
+        if buffer.is_cuda:
+            torch.cuda.synchronize(buffer.device)
+
+    def _scatter(self, copies: Copies) -> None:
+        from kernels import scatter_ranges
+
+        start, total = self._check_copies(copies, packed="src")
+        buffer = self.arena.buffer
+        dst, lengths = torch.from_numpy(copies.dst), torch.from_numpy(copies.nbytes)
+        scatter_ranges(buffer[start : start + total], buffer, dst, lengths)
+
+    def _check_copies(self, copies: Copies, packed: str) -> tuple[int, int]:
+        """(start, bytes) of the packed side, which must lie in the staging area; the other
+        side must lie in the cache regions. Raises ValueError naming what is wrong."""
+        layout = self.layout
+        lengths = copies.nbytes
+        packed_at = copies.dst if packed == "dst" else copies.src
+        cache_at = copies.src if packed == "dst" else copies.dst
+        if (lengths < 1).any():
+            raise ValueError("staging copies: every length must be >= 1")
+        start, total = int(packed_at[0]), int(lengths.sum())
+        expected = start + np.concatenate(([0], np.cumsum(lengths)[:-1]))
+        if not np.array_equal(packed_at, expected):
+            raise ValueError(f"staging copies: {packed} offsets are not back to back")
+        area = (layout.staging_offset, layout.staging_offset + layout.staging_bytes)
+        if start < area[0] or start + total > area[1]:
+            raise ValueError(f"staging copies: [{start}, {start + total}) outside staging {area}")
+        if (cache_at < 0).any() or (cache_at + lengths > layout.staging_offset).any():
+            raise ValueError("staging copies: a cache range lies outside the cache regions")
+        return start, total
+
     def snapshot(
         self, request_id: str, side: str, block_ids: list[int], slot: int, num_tokens: int
     ) -> None:
@@ -146,12 +197,15 @@ class RankWorker:
             raise ValueError(f"request_id {request_id!r}: a transfer is already in flight")
         if instance not in self.peers:
             raise ValueError(f"instance {instance!r}: no handshake with it yet")
+        mine = reads[self.spec.rank]
+        if len(mine.scatter):
+            self._check_copies(mine.scatter, packed="src")
         self.engine.mark_filling(slot, block_ids)
-        transfer = _Transfer(slot, time.monotonic())
+        transfer = _Transfer(slot, time.monotonic(), mine.scatter)
         self.transfers[request_id] = transfer
         peers = self.peers[instance]
         try:
-            for reads_from in reads[self.spec.rank].batches:
+            for reads_from in mine.batches:
                 batch = RangeBatch(reads_from.local, reads_from.remote, reads_from.nbytes)
                 peer = peers[reads_from.prefill_rank]
                 handle = self.transport.post(Op.READ, peer, batch, deadline_s=deadline_s)
@@ -181,8 +235,10 @@ class RankWorker:
             # Handles stay: a failed READ may still land (NIXL cannot cancel one in flight).
             transfer.status = TransferStatus(TransferState.FAILED, reason="; ".join(reasons))
         elif not any(s.pending for s in statuses):
-            seconds = time.monotonic() - transfer.posted_at
             self._drop_handles(transfer)
+            if len(transfer.scatter):
+                self._scatter(transfer.scatter)
+            seconds = time.monotonic() - transfer.posted_at
             self.engine.mark_ready(transfer.slot)
             transfer.status = TransferStatus(TransferState.DONE, seconds)
 

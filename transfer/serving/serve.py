@@ -242,6 +242,8 @@ def instance_config(options: ServeOptions):
         max_seqs=options.max_seqs,
         max_queue=options.max_queue,
         max_num_batched_tokens=options.max_num_batched_tokens,
+        staging_bytes=_staging_bytes(options.staging_mib),
+        staging_min_ranges=options.staging_min_ranges,
         min_block_size=options.block_size,
         seed=options.seed,
         dump_dir=options.dump_dir,
@@ -250,6 +252,12 @@ def instance_config(options: ServeOptions):
         dist_addr=options.dist_addr,
         net_device=interface_of(options.data_host or options.host),
     )
+
+
+def _staging_bytes(mib: int) -> int:
+    if isinstance(mib, bool) or not isinstance(mib, int) or mib < 0:
+        raise ValueError(f"--staging-mib must be an integer >= 0, got {mib!r}")
+    return mib << 20
 
 
 def _serve_worker(
@@ -292,6 +300,7 @@ def _serve_worker(
                 bind,
                 store=worker.store,
                 identity=worker.identity,
+                stage=worker.stage,
                 prefill=worker.prefill,
                 token=token,
                 tls=server_tls,

@@ -32,6 +32,8 @@ class ServeOptions:
     max_seqs: int = 16
     max_num_batched_tokens: int = 2048
     max_queue: int = 32
+    staging_mib: int = 8
+    staging_min_ranges: int = 8
     block_size: int = 16
     lease_seconds: float = 30.0
     seed: int = 0

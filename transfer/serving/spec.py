@@ -13,6 +13,14 @@ from transfer.sizing import CacheDtypes
 # A decode rank READs this much from each prefill rank's staging area at handshake, so
 # connection setup is not charged to the first request's transfer.
 WARMUP_BYTES = 64
+# With staging on, the staging area's first page is the warm-up target and the rest is
+# the pool of staged transfers' extents.
+STAGING_RESERVED_BYTES = 4096
+
+
+def staging_area_bytes(staging_bytes: int) -> int:
+    """A rank's staging area for a pool of `staging_bytes` (0: warm-up target only)."""
+    return STAGING_RESERVED_BYTES + staging_bytes if staging_bytes else WARMUP_BYTES
 
 
 @dataclass(frozen=True)
@@ -32,6 +40,7 @@ class RankSpec:
     local_rank: int = 0
     seed: int = 0
     dump_dir: str | None = None
+    staging_bytes: int = 0  # the pool for staged transfers, besides the warm-up target
     env: tuple[tuple[str, str], ...] = ()  # set before the transport starts (UCX_NET_DEVICES)
 
     @property
@@ -53,11 +62,31 @@ class ReadBatch:
         return len(self.nbytes)
 
 
+@dataclass(frozen=True, eq=False)
+class Copies:
+    """Copies inside one rank's arena, as int64 columns of offsets: `src`, `dst`, `nbytes`.
+    A staging gather has consecutive `dst`s, a staging scatter consecutive `src`s."""
+
+    src: np.ndarray
+    dst: np.ndarray
+    nbytes: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.nbytes)
+
+    @classmethod
+    def empty(cls) -> Copies:
+        none = np.empty(0, dtype=np.int64)
+        return cls(none, none, none)
+
+
 @dataclass(frozen=True)
 class RankReads:
-    """One decode rank's share of a transfer: its READs from each prefill rank."""
+    """One decode rank's share of a transfer: its READs from each prefill rank, then the
+    copies that unpack the staged part of them (empty when nothing was staged)."""
 
     batches: tuple[ReadBatch, ...]
+    scatter: Copies = Copies.empty()
 
     @property
     def descriptors(self) -> int:

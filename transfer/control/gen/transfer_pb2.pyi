@@ -2,7 +2,7 @@ from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
-from typing import ClassVar as _ClassVar, Optional as _Optional
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -119,3 +119,27 @@ class AbortRequest(_message.Message):
 class AbortReply(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class RankGather(_message.Message):
+    __slots__ = ("src_offsets", "lengths")
+    SRC_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    src_offsets: _containers.RepeatedScalarFieldContainer[int]
+    lengths: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, src_offsets: _Optional[_Iterable[int]] = ..., lengths: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class StageRequest(_message.Message):
+    __slots__ = ("request_id", "holder", "ranks")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    HOLDER_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    holder: str
+    ranks: _containers.RepeatedCompositeFieldContainer[RankGather]
+    def __init__(self, request_id: _Optional[str] = ..., holder: _Optional[str] = ..., ranks: _Optional[_Iterable[_Union[RankGather, _Mapping]]] = ...) -> None: ...
+
+class StageReply(_message.Message):
+    __slots__ = ("staging_offset",)
+    STAGING_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    staging_offset: int
+    def __init__(self, staging_offset: _Optional[int] = ...) -> None: ...

@@ -59,6 +59,11 @@ class TransferServiceStub:
                 request_serializer=pdxfer_dot_v1_dot_transfer__pb2.AbortRequest.SerializeToString,
                 response_deserializer=pdxfer_dot_v1_dot_transfer__pb2.AbortReply.FromString,
                 _registered_method=True)
+        self.Stage = channel.unary_unary(
+                '/pdxfer.v1.TransferService/Stage',
+                request_serializer=pdxfer_dot_v1_dot_transfer__pb2.StageRequest.SerializeToString,
+                response_deserializer=pdxfer_dot_v1_dot_transfer__pb2.StageReply.FromString,
+                _registered_method=True)
 
 
 class TransferServiceServicer:
@@ -101,6 +106,16 @@ class TransferServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Stage(self, request, context):
+        """Packs byte ranges of an acquired ticket's cache back to back into a staging
+        extent on each prefill rank, so the holder reads them as one range per rank.
+        The extent is freed with the ticket. RESOURCE_EXHAUSTED when staging is full
+        (or off): the holder then reads the ranges directly.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TransferServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -128,6 +143,11 @@ def add_TransferServiceServicer_to_server(servicer, server):
                     servicer.Abort,
                     request_deserializer=pdxfer_dot_v1_dot_transfer__pb2.AbortRequest.FromString,
                     response_serializer=pdxfer_dot_v1_dot_transfer__pb2.AbortReply.SerializeToString,
+            ),
+            'Stage': grpc.unary_unary_rpc_method_handler(
+                    servicer.Stage,
+                    request_deserializer=pdxfer_dot_v1_dot_transfer__pb2.StageRequest.FromString,
+                    response_serializer=pdxfer_dot_v1_dot_transfer__pb2.StageReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -265,6 +285,33 @@ class TransferService:
             '/pdxfer.v1.TransferService/Abort',
             pdxfer_dot_v1_dot_transfer__pb2.AbortRequest.SerializeToString,
             pdxfer_dot_v1_dot_transfer__pb2.AbortReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Stage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdxfer.v1.TransferService/Stage',
+            pdxfer_dot_v1_dot_transfer__pb2.StageRequest.SerializeToString,
+            pdxfer_dot_v1_dot_transfer__pb2.StageReply.FromString,
             options,
             channel_credentials,
             insecure,
