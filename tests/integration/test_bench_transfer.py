@@ -51,6 +51,21 @@ def _check_results(report: dict, tokens: list[int]) -> None:
         assert result["prefill_block_runs"] <= result["lowest_prefill_block_runs"]
 
 
+def _check_layerwise(report: dict, groups: int, full_prefill_ms: list[float]) -> None:
+    """Layer-wise keys: the stream's groups, its exposed time against the whole request's
+    (same run), and the modelled prefill (the scaled model's share of the full one)."""
+    assert report["stream_layers"] > 0 and report["prefill_tokens_per_s"] > 0
+    for result, full_ms in zip(report["results"], full_prefill_ms, strict=True):
+        assert result["stream_groups"] == result["stream_parts"] == groups  # one chunk
+        assert result["stream_descriptors"] >= groups
+        assert result["exposed_ms"] >= 0 and result["whole_exposed_ms"] > 0
+        assert result["exposed_ratio"] == pytest.approx(
+            result["exposed_ms"] / result["whole_exposed_ms"]
+        )
+        assert 0 < result["prefill_ms"] <= full_ms + 1e-9
+        assert result["groups_gbps"] > 0 and result["groups_efficiency"] > 0
+
+
 @pytest.mark.slow
 def test_loopback_tiny_hetero_tp(tmp_path):
     csv_path, png_path = tmp_path / "t.csv", tmp_path / "t.png"
@@ -75,10 +90,21 @@ def test_loopback_tiny_hetero_tp(tmp_path):
         str(csv_path),
         "--plot",
         str(png_path),
+        "--layerwise",
+        "--stream-layers",
+        "2",
+        "--prefill-tokens-per-s",
+        "100000",
+        "--stream-chunk-tokens",
+        "2048",
     )
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout)
     assert report["layers"] < report["model_layers"] == 8
+    # The scaled model keeps its leading layers: they get only their share of the prefill.
+    groups = len({layer // 2 for layer in range(report["layers"])})
+    _check_layerwise(report, groups, [256 / 100, 1024 / 100])
+    assert report["results"][0]["prefill_ms"] < 256 / 100
     assert f"scaled tiny-qwen3-next from 8 to {report['layers']} layers" in done.stderr
     assert sum(report["arena_bytes"].values()) <= 5_000_000
     _check_results(report, [256, 1024])
@@ -118,11 +144,16 @@ def test_netns_tiny_replicated_mla():
         "--control-tickets",
         "0",
         "--json",
+        "--layerwise",
+        "--stream-layers",
+        "3",
     )
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout)
     assert (report["nodes"], report["tls"]) == ("netns", "tcp")
     _check_results(report, [256])
+    _check_layerwise(report, 3, [256 / 50])  # 8 layers in groups of 3; 50k tokens/s
+    assert report["results"][0]["prefill_ms"] == pytest.approx(256 / 50)
     assert "control" not in report
     assert not _namespaces() - before
 
@@ -143,6 +174,9 @@ def test_netns_without_root_says_so(monkeypatch, capsys):
         (["--decode-tp", "3"], "decode_tp 3"),
         (["--repeats", "0"], "repeats"),
         (["--max-arena-bytes", "lots"], "--max-arena-bytes"),
+        (["--layerwise", "--stream-layers", "-1"], "stream_layers"),
+        (["--layerwise", "--prefill-tokens-per-s", "0"], "prefill_tokens_per_s"),
+        (["--layerwise", "--stream-chunk-tokens", "-5"], "stream_chunk_tokens"),
     ],
 )
 def test_bad_input_names_the_field(args, field, capsys):

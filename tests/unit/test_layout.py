@@ -18,7 +18,7 @@ from transfer.sizing import CacheDtypes, size_model
 TINY = ("tiny-qwen3-next", "tiny-kimi-linear", "tiny-nemotron-h")
 ALL_OPTIONS = [
     LayoutOptions(*combo)
-    for combo in itertools.product(KVOrder, StatePlacement, ConvOrder, SSMOrder)
+    for combo in itertools.product(KVOrder, StatePlacement, ConvOrder, SSMOrder, (0, 2))
 ]
 INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 
@@ -37,7 +37,9 @@ def _views(layout, buffer):
 
 @pytest.mark.parametrize("name", TINY)
 @pytest.mark.parametrize(
-    "options", ALL_OPTIONS, ids=lambda o: "-".join(v.value for v in vars(o).values())
+    "options",
+    ALL_OPTIONS,
+    ids=lambda o: "-".join(str(getattr(v, "value", v)) for v in vars(o).values()),
 )
 def test_views_tile_the_regions_without_overlap(name, options):
     geometry = get_preset(name)

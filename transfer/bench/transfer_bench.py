@@ -44,6 +44,9 @@ class TransferBenchConfig:
     control_concurrency: int = 16
     hole_blocks: int = 8
     seed: int = 0
+    stream_layers: int = 0  # layer-wise streaming groups; 0: no layer-wise modes
+    prefill_tokens_per_s: float = 50_000.0
+    stream_chunk_tokens: int = 8192
 
     def __post_init__(self) -> None:
         for name, low in (
@@ -52,9 +55,15 @@ class TransferBenchConfig:
             ("hole_blocks", 1),
             ("control_tickets", 0),
             ("control_concurrency", 1),
+            ("stream_layers", 0),
+            ("stream_chunk_tokens", 0),
         ):
             if getattr(self, name) < low:
                 raise InvalidInput(f"{name}: must be >= {low}, got {getattr(self, name)}")
+        if not self.prefill_tokens_per_s > 0:
+            raise InvalidInput(
+                f"prefill_tokens_per_s: must be positive, got {self.prefill_tokens_per_s}"
+            )
         if not self.deadline_s > 0:
             raise InvalidInput(f"deadline_s: must be positive, got {self.deadline_s}")
         if not self.tokens or min(self.tokens) < 1:
@@ -159,6 +168,10 @@ def measure(config: TransferBenchConfig) -> dict:
         config.deadline_s,
         config.seed,
         config.hole_blocks,
+        config.stream_layers,
+        config.prefill_tokens_per_s,
+        config.stream_chunk_tokens,
+        geometry,
     )
     results, arenas = [], {}
     with placement(nodes, config.peer) as where:
@@ -176,6 +189,9 @@ def measure(config: TransferBenchConfig) -> dict:
         "block_size": config.block_size,
         "hole_blocks": config.hole_blocks,
         "repeats": config.repeats,
+        "stream_layers": config.stream_layers,
+        "prefill_tokens_per_s": config.prefill_tokens_per_s if config.stream_layers else None,
+        "stream_chunk_tokens": config.stream_chunk_tokens if config.stream_layers else None,
         "arena_bytes": arenas,
         "definitions": {
             "time": "one request: slowest prefill gather (if staged) + slowest decode post..DONE..scatter",
@@ -187,6 +203,12 @@ def measure(config: TransferBenchConfig) -> dict:
             "efficiency": "gbps / raw_gbps (lowest_efficiency: lowest_gbps / raw_gbps)",
             "block_runs": "runs of consecutive block ids in the request's block table, per side",
             "speedup": "gbps / naive_gbps",
+            "exposed_ms": "layer-wise: each chunk's KV of each group of --stream-layers layers "
+            "(and the group's state, with the last chunk) posted when the modelled prefill "
+            "finishes it; time from the end of the prefill to the last byte",
+            "whole_exposed_ms": "ours' median: the whole request posted when prefill ends",
+            "exposed_ratio": "exposed_ms / whole_exposed_ms (same run)",
+            "groups": "the layer-wise plans posted all at once (groups_efficiency: vs raw)",
         },
         "results": results,
         "machine": _machine(),

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from transfer.bench.prefill_model import stream_groups
 from transfer.bench.transfer_rank import (
     BUILD,
     AddPeers,
@@ -43,7 +44,8 @@ from transfer.geometry import ModelGeometry
 from transfer.serving.ranks import STOP_TIMEOUT_S, RankGroup, RankLink
 from transfer.stats import percentile
 
-MODES = ("ours", "lowest", "raw", "naive")
+MODES = ("ours", "lowest", "raw", "naive", "stream", "groups")
+STREAM_MODES = ("stream", "groups")  # layer-wise: posted as groups get ready / all at once
 SETUP_TIMEOUT_S = 600.0
 CALL_TIMEOUT_S = 300.0
 
@@ -59,6 +61,10 @@ class Settings:
     deadline_s: float
     seed: int
     hole_blocks: int = 8
+    layer_group: int = 0  # layers per streaming group; 0: no layer-wise modes
+    prefill_tokens_per_s: float = 50_000.0  # the modelled prefill (layer-wise modes)
+    stream_chunk_tokens: int = 8192  # its chunks (0: the whole prompt at once)
+    model: ModelGeometry | None = None  # unscaled: the modelled prefill is the whole model's
 
 
 Log = Callable[[str], None]
@@ -165,7 +171,7 @@ class PairRun:
         """Send every rank its jobs; returns whether any prefill rank gathers, per mode."""
         from transfer.dataplane import RangeBatch
 
-        gathering = {"raw": False, "naive": False}
+        gathering = dict.fromkeys(("raw", "naive", *STREAM_MODES), False)
         for mode in PLANNED_MODES:
             gathers: list[list] = [[] for _ in range(self.prefill.size)]
             reads = []
@@ -183,6 +189,8 @@ class PairRun:
                 self.decode.call(Prepare(mode, "read", tuple(reads)))
                 self.prefill.call(Prepare(mode, "gather", tuple(tuple(g) for g in gathers)))
             gathering[mode] = any(gathers)
+        if transfers.stream:
+            self._prepare_stream(transfers)
         for mode in ("raw", "naive"):
             items = tuple(
                 tuple(
@@ -192,6 +200,27 @@ class PairRun:
             )
             self.decode.call(Prepare(mode, "read", items))
         return gathering
+
+    def _prepare_stream(self, transfers: Transfers) -> None:
+        from transfer.dataplane import RangeBatch
+
+        def items(group, decode_rank: int) -> tuple[ReadItem, ...]:
+            wire = [s.wire for s in group[decode_rank].sources if len(s.wire)]
+            ranks = [s.prefill_rank for s in group[decode_rank].sources if len(s.wire)]
+            return tuple(
+                ReadItem(p, RangeBatch(w.dst, w.src, w.lengths))
+                for p, w in zip(ranks, wire, strict=True)
+            )
+
+        for mode in STREAM_MODES:
+            jobs = tuple(
+                tuple(
+                    (ready if mode == "stream" else 0.0, items(group, d))
+                    for group, ready in zip(transfers.stream, transfers.stream_ready_s, strict=True)
+                )
+                for d in range(self.decode.size)
+            )
+            self.decode.call(Prepare(mode, "stream", jobs))
 
     def _run(self, mode: str, gathering: bool) -> float:
         timeout = self.settings.deadline_s + 60.0
@@ -206,6 +235,15 @@ class PairRun:
             pairs = [
                 [(s.prefill_rank, s.wire.src, s.wire.dst, s.wire.lengths) for s in plan.sources]
                 for plan in getattr(transfers, f"{mode}_direct")
+            ]
+        elif mode in STREAM_MODES:
+            pairs = [
+                [
+                    (s.prefill_rank, s.wire.src, s.wire.dst, s.wire.lengths)
+                    for group in transfers.stream
+                    for s in group[d].sources
+                ]
+                for d in range(self.decode.size)
             ]
         else:
             pairs = list(getattr(transfers, mode))
@@ -229,7 +267,12 @@ class PairRun:
 
     def measure(self, transfers: Transfers, label: str) -> dict[str, list[float]]:
         gathering = self._prepare(transfers)
-        modes = [m for m in MODES if m not in PLANNED_MODES or getattr(transfers, m)]
+        modes = [
+            m
+            for m in MODES
+            if (m not in PLANNED_MODES or getattr(transfers, m))
+            and (m not in STREAM_MODES or transfers.stream)
+        ]
         for mode in modes:
             self.decode.call(Zero())
             self._run(mode, gathering[mode])
@@ -241,7 +284,7 @@ class PairRun:
                 times[mode].append(self._run(mode, gathering[mode]))
             self.log(f"{label}: repeat {repeat + 1}/{self.settings.repeats}")
         for mode in modes:
-            self.decode.call(Drop(mode))
+            self.decode.call(Drop(mode))  # every mode was prepared on the decode side
         for mode in PLANNED_MODES:
             self.prefill.call(Drop(mode))
         return times
@@ -260,7 +303,7 @@ def summarize(
     entry["kv_bytes"] = sum(plan.kv_bytes for plan in transfers.ours)
     entry["state_bytes"] = sum(plan.state_bytes for plan in transfers.ours)
     for mode in MODES:
-        if mode not in times:
+        if mode not in times or mode in STREAM_MODES:
             continue
         prefix = "" if mode == "ours" else f"{mode}_"
         median = float(np.median(times[mode]))
@@ -277,8 +320,31 @@ def summarize(
     entry["staged_sources"] = sum(
         s.mode.value != "direct" for plan in transfers.ours for s in plan.sources
     )
+    if "stream" in times:
+        entry.update(_stream_entry(transfers, times))
     entry["verified"] = True
     return entry
+
+
+def _stream_entry(transfers: Transfers, times: dict[str, list[float]]) -> dict:
+    """Layer-wise streaming against the whole request (ours), both timed in this run."""
+    exposed = float(np.median(times["stream"]))
+    whole = float(np.median(times["ours"]))  # posted once the prefill ended: all exposed
+    groups = float(np.median(times["groups"]))
+    raw_gbps = transfers.nbytes("raw") / float(np.median(times["raw"])) / 1e9
+    return {
+        "exposed_ms": exposed * 1e3,
+        "exposed_p99_ms": percentile(times["stream"], 99) * 1e3,
+        "whole_exposed_ms": whole * 1e3,
+        "exposed_ratio": exposed / whole,
+        "prefill_ms": transfers.stream_ready_s[-1] * 1e3,
+        "stream_groups": len({part.layers for part in transfers.stream_parts}),
+        "stream_parts": len(transfers.stream),
+        "stream_descriptors": transfers.stream_descriptors,
+        "groups_median_ms": groups * 1e3,
+        "groups_gbps": transfers.stream_bytes / groups / 1e9,
+        "groups_efficiency": transfers.stream_bytes / groups / 1e9 / raw_gbps,
+    }
 
 
 def run_pair(
@@ -301,6 +367,7 @@ def run_pair(
         settings.block_size,
         max(settings.tokens),
         staging_need(base, requests + lowest),
+        settings.layer_group,
     )
     log(
         f"P={p_tp} D={d_tp}: starting {p_tp + d_tp} rank processes "
@@ -311,7 +378,19 @@ def run_pair(
     try:
         run.start()
         for n, request, old in zip(settings.tokens, requests, lowest, strict=True):
-            transfers = plan_all(instances, request, old)
+            stream = (
+                stream_groups(
+                    geometry,
+                    n,
+                    settings.prefill_tokens_per_s,
+                    settings.layer_group,
+                    settings.stream_chunk_tokens,
+                    whole_model=settings.model,
+                )
+                if settings.layer_group
+                else ()
+            )
+            transfers = plan_all(instances, request, old, stream)
             times = run.measure(transfers, f"P={p_tp} D={d_tp} {n} tokens")
             entry = summarize(n, transfers, times, p_tp, d_tp)
             for prefix, req in (("", request), ("lowest_", old)):

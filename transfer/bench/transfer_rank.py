@@ -81,9 +81,10 @@ class BenchRank:
 
     def prepare(self, job: str, kind: str, items: tuple) -> None:
         """`kind` "gather" (prefill): `items` are SourcePlans whose gathers to run. "read"
-        (decode): `ReadItem`s: READ each batch, then scatter."""
-        if kind not in ("gather", "read"):
-            raise ValueError(f"kind: expected 'gather' or 'read', got {kind!r}")
+        (decode): `ReadItem`s: READ each batch, then scatter. "stream" (decode): `(ready_s,
+        ReadItems)` per group: each group is posted `ready_s` after the run starts."""
+        if kind not in ("gather", "read", "stream"):
+            raise ValueError(f"kind: expected 'gather', 'read' or 'stream', got {kind!r}")
         self.jobs[job] = (kind, items)
 
     def run(self, job: str, deadline_s: float) -> float:
@@ -93,6 +94,8 @@ class BenchRank:
         kind, items = self.jobs[job]
         if kind == "read":
             return self._read(items, deadline_s)
+        if kind == "stream":
+            return self._stream(items, deadline_s)
         from transfer.packer.staging import gather_staging
 
         start = time.perf_counter()
@@ -127,6 +130,42 @@ class BenchRank:
                 if item.staged is not None:
                     scatter_staging(item.staged, self.arena)
             return time.perf_counter() - start
+        finally:
+            for handle in handles:
+                transport.release(handle)
+
+    def _stream(self, groups: tuple[tuple[float, tuple[ReadItem, ...]], ...], deadline_s: float):
+        """Post each group's READs once its modelled ready time has passed, then wait for
+        all; seconds from the last group's ready time (the end of the modelled prefill) to
+        the last byte: the exposed transfer time."""
+        from transfer.dataplane import Op
+
+        transport = self.transport
+        start = time.perf_counter()
+        end_of_prefill = max(ready for ready, _ in groups)
+        waiting, pending, handles = list(groups), [], []
+        try:
+            while waiting or pending:
+                now = time.perf_counter() - start
+                while waiting and waiting[0][0] <= now:
+                    for item in waiting.pop(0)[1]:
+                        peer = self.peers[item.prefill_rank]
+                        handle = transport.post(Op.READ, peer, item.batch, deadline_s=deadline_s)
+                        handles.append(handle)
+                        pending.append(handle)
+                still = []
+                for handle in pending:
+                    status = transport.poll(handle)
+                    if status.failed:
+                        raise RuntimeError(f"transfer failed: {status.reason}")
+                    if status.pending:
+                        still.append(handle)
+                pending = still
+                if pending:
+                    time.sleep(POLL_SLEEP_S)
+                elif waiting:  # nothing in flight: sleep until the next group is ready
+                    time.sleep(max(0.0, waiting[0][0] - (time.perf_counter() - start)))
+            return time.perf_counter() - start - end_of_prefill
         finally:
             for handle in handles:
                 transport.release(handle)

@@ -40,6 +40,16 @@ CSV_COLUMNS = (
     "decode_block_runs",
     "lowest_prefill_block_runs",
     "lowest_decode_block_runs",
+    "exposed_ms",
+    "exposed_p99_ms",
+    "whole_exposed_ms",
+    "exposed_ratio",
+    "prefill_ms",
+    "stream_groups",
+    "stream_parts",
+    "stream_descriptors",
+    "groups_gbps",
+    "groups_efficiency",
 )
 
 
@@ -74,6 +84,15 @@ def format_table(report: dict) -> str:
             f"{r.get('lowest_gbps', float('nan')):>8.2f} "
             f"{r.get('lowest_efficiency', float('nan')):>7.2f} {r.get('lowest_descriptors', '-'):>8}"
         )
+        if "exposed_ms" in r:
+            lines.append(
+                f"      layer-wise ({r['stream_groups']} groups, {r['stream_parts']} parts, "
+                f"{r['stream_descriptors']} desc): "
+                f"exposed {r['exposed_ms']:.1f} ms vs whole {r['whole_exposed_ms']:.1f} ms "
+                f"(ratio {r['exposed_ratio']:.3f}) after a {r['prefill_ms']:.0f} ms modelled "
+                f"prefill; all groups at once {r['groups_gbps']:.2f} GB/s "
+                f"(eff {r['groups_efficiency']:.2f})"
+            )
     control = report.get("control")
     if control:
         lines.append(
@@ -106,7 +125,9 @@ def plot(report: dict, path: str) -> None:
 
     results = report["results"]
     ticks = sorted({r["tokens"] for r in results})
-    fig, (speed, descs, eff) = plt.subplots(1, 3, figsize=(15, 4.6))
+    layerwise = all("exposed_ms" in r for r in results)
+    fig, axes = plt.subplots(1, 4 if layerwise else 3, figsize=(20 if layerwise else 15, 4.6))
+    speed, descs, eff = axes[:3]
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, (p, d) in enumerate(_pairs(results)):
         rows = sorted(
@@ -139,13 +160,33 @@ def plot(report: dict, path: str) -> None:
             label=f"{label} naive",
         )
         eff.plot(tokens, [r["efficiency"] for r in rows], "o-", color=color, label=label)
+        if layerwise:
+            axes[3].plot(
+                tokens,
+                [r["exposed_ms"] for r in rows],
+                "o-",
+                color=color,
+                label=f"{label} layer-wise",
+            )
+            axes[3].plot(
+                tokens,
+                [r["whole_exposed_ms"] for r in rows],
+                "s--",
+                color=color,
+                label=f"{label} whole request",
+            )
     for goal, style in ((0.9, "-"), (0.8, "--")):
         eff.axhline(goal, color="grey", linestyle=style, linewidth=0.8)
-    for ax, title, ylabel in (
+    panels = [
         (speed, "throughput", "GB/s (median)"),
         (descs, "descriptors per request", "descriptors"),
         (eff, "efficiency = ours / raw (goals 0.9, hetero 0.8)", "efficiency"),
-    ):
+    ]
+    if layerwise:
+        stream = report.get("stream_layers")
+        title = f"exposed transfer after the modelled prefill ({stream} layers per group)"
+        panels.append((axes[3], title, "ms (median)"))
+    for ax, title, ylabel in panels:
         ax.set_xscale("log", base=2)
         ax.set_xticks(ticks, [_tokens_label(t) for t in ticks])
         ax.minorticks_off()
@@ -157,6 +198,9 @@ def plot(report: dict, path: str) -> None:
     speed.legend(fontsize=6, ncol=2)
     descs.legend(fontsize=6, ncol=2)
     eff.legend(fontsize=7)
+    if layerwise:
+        axes[3].set_yscale("log")
+        axes[3].legend(fontsize=6)
     fig.suptitle(
         f"{report['model']} ({report['layers']}/{report['model_layers']} layers), "
         f"{report['transport']}, {report['nodes']}",

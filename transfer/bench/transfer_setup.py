@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from transfer.bench.prefill_model import StreamGroup
 from transfer.cache import BlockPool, Layout, LayoutOptions, SlotPool, fragment
 from transfer.geometry import ModelGeometry
 from transfer.packer import StagingPolicy, TransferPlan, TransferRequest, plan_transfer
@@ -35,15 +36,18 @@ class Instances:
     decode: tuple[Layout, ...]
     naive_prefill: tuple[Layout, ...]
     naive_decode: tuple[Layout, ...]
+    # Grouped lanes for layer-wise streaming (`LayoutOptions.layer_group`); () when off.
+    stream_prefill: tuple[Layout, ...] = ()
+    stream_decode: tuple[Layout, ...] = ()
 
     def arena_bytes(self, side: str) -> int:
-        """One rank's arena: big enough for both layouts of that side."""
-        ours, naive = (
-            (self.prefill, self.naive_prefill)
+        """One rank's arena: big enough for every layout of that side."""
+        layouts = (
+            (self.prefill, self.naive_prefill, self.stream_prefill)
             if side == "prefill"
-            else (self.decode, self.naive_decode)
+            else (self.decode, self.naive_decode, self.stream_decode)
         )
-        return max(ours[0].arena_bytes, naive[0].arena_bytes)
+        return max(each[0].arena_bytes for each in layouts if each)
 
     @property
     def total_bytes(self) -> int:
@@ -64,7 +68,9 @@ def build_instances(
     block_size: int,
     max_tokens: int,
     staging_bytes: int = 0,
+    layer_group: int = 0,
 ) -> Instances:
+    """`layer_group` > 0 adds layouts with streaming groups of that many layers."""
     num_blocks = pool_blocks(geometry, block_size, max_tokens)
 
     def side(tp: int, options: LayoutOptions, staging: int) -> tuple[Layout, ...]:
@@ -73,11 +79,14 @@ def build_instances(
         )
         return first.all_ranks()
 
+    grouped = LayoutOptions(layer_group=layer_group)
     return Instances(
         side(prefill_tp, LayoutOptions(), staging_bytes),
         side(decode_tp, LayoutOptions(), staging_bytes),
         side(prefill_tp, NAIVE_OPTIONS, 0),
         side(decode_tp, NAIVE_OPTIONS, 0),
+        side(prefill_tp, grouped, 0) if layer_group else (),
+        side(decode_tp, grouped, 0) if layer_group else (),
     )
 
 
@@ -195,6 +204,22 @@ class Transfers:
     naive: tuple[list[tuple[int, np.ndarray, np.ndarray, np.ndarray]], ...]
     lowest: tuple[TransferPlan, ...] = ()
     lowest_direct: tuple[TransferPlan, ...] = ()
+    # Layer-wise streaming: per part (a chunk's KV of a layer group; the state with the
+    # last chunk), its plans (direct, grouped layouts) and ready time.
+    stream: tuple[tuple[TransferPlan, ...], ...] = ()
+    stream_parts: tuple[StreamGroup, ...] = ()
+
+    @property
+    def stream_ready_s(self) -> tuple[float, ...]:
+        return tuple(part.ready_s for part in self.stream_parts)
+
+    @property
+    def stream_descriptors(self) -> int:
+        return sum(plan.descriptors for group in self.stream for plan in group)
+
+    @property
+    def stream_bytes(self) -> int:
+        return sum(plan.wire_bytes for group in self.stream for plan in group)
 
     @property
     def bytes(self) -> int:
@@ -227,10 +252,14 @@ def raw_ranges(plan: TransferPlan) -> list[tuple[int, np.ndarray, np.ndarray, np
 
 
 def plan_all(
-    instances: Instances, request: TransferRequest, lowest: TransferRequest | None = None
+    instances: Instances,
+    request: TransferRequest,
+    lowest: TransferRequest | None = None,
+    stream: Sequence[StreamGroup] = (),
 ) -> Transfers:
     """Every mode's ranges for `request`; `lowest` is the same request as the lowest-first
-    block pool placed it (no `lowest` mode without it)."""
+    block pool placed it (no `lowest` mode without it); `stream`, the streaming groups of
+    the modelled prefill (no stream modes without them)."""
     from transfer.bench.transfer_naive import naive_ranges
 
     def plans(req: TransferRequest | None) -> tuple[tuple[TransferPlan, ...], ...]:
@@ -246,4 +275,21 @@ def plan_all(
     naive = tuple(
         naive_ranges(instances.naive_prefill, layout, request) for layout in instances.naive_decode
     )
-    return Transfers(ours, direct, tuple(raw_ranges(plan) for plan in ours), naive, old, old_direct)
+    direct_only = StagingPolicy(enabled=False)  # groups in flight at once share no staging
+    grouped = tuple(
+        plan_transfer(
+            instances.stream_prefill, instances.stream_decode, request, direct_only,
+            layers=group.layers, tokens=group.tokens, with_state=group.with_state,
+        )
+        for group in stream
+    )  # fmt: skip
+    return Transfers(
+        ours,
+        direct,
+        tuple(raw_ranges(plan) for plan in ours),
+        naive,
+        old,
+        old_direct,
+        grouped,
+        tuple(stream),
+    )

@@ -43,8 +43,21 @@ class LayoutOptions:
     state_placement: StatePlacement = StatePlacement.PER_REQUEST
     conv_order: ConvOrder = ConvOrder.CHANNELS_TIME
     ssm_order: SSMOrder = SSMOrder.HEAD_MAJOR  # per-request placement only
+    # Layers per streaming group (0: one group). Head-major lanes and per-request state
+    # are laid out group by group, so each group's bytes are runs of their own: a group
+    # crosses as soon as its layers are final (layer-wise streaming), at the price of one
+    # range per group where one group would need one.
+    layer_group: int = 0
 
     def __post_init__(self) -> None:
+        if (
+            isinstance(self.layer_group, bool)
+            or not isinstance(self.layer_group, int)
+            or self.layer_group < 0
+        ):
+            raise InvalidInput(
+                f"options.layer_group: must be an integer >= 0, got {self.layer_group!r}"
+            )
         for field, enum_type in (
             ("kv_order", KVOrder),
             ("state_placement", StatePlacement),
@@ -105,6 +118,11 @@ class StateUnit:
         )
 
 
+def layer_group_of(layer_index: int, layer_group: int) -> int:
+    """The streaming group of model layer `layer_index` (`LayoutOptions.layer_group`)."""
+    return layer_index // layer_group if layer_group else 0
+
+
 def align(n: int, alignment: int) -> int:
     return -(-n // alignment) * alignment
 
@@ -135,19 +153,22 @@ def build_kv_units(
     num_blocks: int,
     elem_bytes: int,
     order: KVOrder,
+    layer_group: int = 0,
 ) -> tuple[tuple[KVUnit, ...], int]:
     """All KV units of the rank, and the bytes they span (from offset 0)."""
     tensors = [(layer, t, rank_units(t, tp, rank)) for layer, t in _kv_tensors(geometry)]
     units: list[KVUnit] = []
     if order is KVOrder.HEAD_MAJOR:
-        # Tensors with the same per-rank head shape form a class; lane j of a class holds
-        # head j of each of its tensors, so a lane's token row is all layers' K and V of one
-        # head. A decode rank's heads are then whole lanes or runs of lanes.
+        # Tensors with the same per-rank head shape (and streaming group) form a class;
+        # lane j of a class holds head j of each of its tensors, so a lane's token row is
+        # all its layers' K and V of one head. A decode rank's heads are then whole lanes
+        # or runs of lanes.
         classes: dict[tuple, list] = {}
         for entry in tensors:
-            classes.setdefault(tuple(u[2] for u in entry[2]), []).append(entry)
+            group = layer_group_of(entry[0].index, layer_group)
+            classes.setdefault((group, tuple(u[2] for u in entry[2])), []).append(entry)
         cursor = 0
-        for shape, members in classes.items():
+        for (_, shape), members in classes.items():
             for lane, unit_elems in enumerate(shape):
                 row = len(members) * unit_elems * elem_bytes
                 for i, (layer, tensor, held) in enumerate(members):

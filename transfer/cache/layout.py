@@ -135,6 +135,7 @@ class Layout:
             self.num_blocks,
             self.dtypes.kv,
             self.options.kv_order,
+            self.options.layer_group,
         )
 
     @cached_property
@@ -148,6 +149,7 @@ class Layout:
             self.options.state_placement,
             self.options.conv_order,
             self.options.ssm_order,
+            self.options.layer_group,
         )
         offset = self.state_offset
         return tuple(dataclasses.replace(u, base=u.base + offset) for u in units), size
@@ -263,7 +265,9 @@ class Layout:
             "num_blocks": self.num_blocks,
             "num_slots": self.num_slots,
             "dtypes": dataclasses.asdict(self.dtypes),
-            "options": {k: v.value for k, v in dataclasses.asdict(self.options).items()},
+            "options": {
+                k: getattr(v, "value", v) for k, v in dataclasses.asdict(self.options).items()
+            },
             "kv_reserved_bytes": self.kv_reserved_bytes,
             "state_reserved_bytes": self.state_reserved_bytes,
             "staging_bytes": self.staging_bytes,

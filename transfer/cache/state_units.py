@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from transfer.cache.head_units import ConvOrder, SSMOrder, StateUnit, align, rank_units
+from transfer.cache.head_units import (
+    ConvOrder,
+    SSMOrder,
+    StateUnit,
+    align,
+    layer_group_of,
+    rank_units,
+)
 from transfer.geometry import CacheTensor, LayerSpec, ModelGeometry, Role
 from transfer.memplan import StatePlacement
 from transfer.sizing import CacheDtypes
@@ -96,11 +103,14 @@ def build_state_units(
     placement: StatePlacement,
     conv_order: ConvOrder,
     ssm_order: SSMOrder,
+    layer_group: int = 0,
 ) -> tuple[tuple[StateUnit, ...], int]:
     """All state units of the rank (offsets from the state region's start), and its size.
 
     Per request, head-major: `[slot][S lanes][layer][conv tensors]`; layer-major:
-    `[slot][layer][S, conv tensors]`. Either way one slot is one run. Per layer:
+    `[slot][layer][S, conv tensors]`. Either way one slot is one run, and with streaming
+    groups (`layer_group`) one run per group: head-major is then
+    `[slot][group][its S lanes][its layers][conv tensors]`. Per layer:
     `[layer][slot][S, conv tensors]`. Tensors start aligned to their element size.
     """
     slot_align = max(dtypes.ssm, dtypes.conv)
@@ -129,12 +139,19 @@ def build_state_units(
         placed: list[tuple] = []
         cursor = 0
         head_major = ssm_order is SSMOrder.HEAD_MAJOR
-        if head_major:
-            placed, cursor = _ssm_lanes(layers, tp, rank, dtypes.ssm, 0)
+        groups: dict[int, list[LayerSpec]] = {}
         for layer in layers:
-            tensors = [t for t in layer.cache_tensors() if not (head_major and t.role is Role.SSM)]
-            more, cursor = _slot_tensors(layer, tensors, tp, rank, dtypes, conv_order, cursor)
-            placed += more
+            groups.setdefault(layer_group_of(layer.index, layer_group), []).append(layer)
+        for members in groups.values():
+            if head_major:
+                lanes, cursor = _ssm_lanes(tuple(members), tp, rank, dtypes.ssm, cursor)
+                placed += lanes
+            for layer in members:
+                tensors = [
+                    t for t in layer.cache_tensors() if not (head_major and t.role is Role.SSM)
+                ]
+                more, cursor = _slot_tensors(layer, tensors, tp, rank, dtypes, conv_order, cursor)
+                placed += more
         slot_bytes = align(cursor, slot_align)
         return tuple(units(placed, 0, slot_bytes)), num_slots * slot_bytes
     result: list[StateUnit] = []

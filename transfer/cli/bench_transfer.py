@@ -101,6 +101,34 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--seed", type=int, default=0, help="seed for bytes and fragmentation (default 0)"
     )
+    parser.add_argument(
+        "--layerwise",
+        action="store_true",
+        help="also time layer-wise streaming against a modelled prefill: each group of "
+        "--stream-layers layers is read as soon as the prefill finishes it (keys exposed_ms, "
+        "whole_exposed_ms, exposed_ratio)",
+    )
+    parser.add_argument(
+        "--stream-layers",
+        type=int,
+        default=4,
+        help="layers per streaming group with --layerwise (default 4)",
+    )
+    parser.add_argument(
+        "--prefill-tokens-per-s",
+        type=float,
+        default=50_000.0,
+        help="the modelled prefill's speed with --layerwise, spread over the layers by their "
+        "FLOPs (default 50000: about an H200 on a 3B-active MoE)",
+    )
+    parser.add_argument(
+        "--stream-chunk-tokens",
+        type=int,
+        default=8192,
+        help="with --layerwise, the modelled prefill runs in chunks of this many tokens (as "
+        "serve's --max-num-batched-tokens; 0: one chunk), and each chunk's KV streams as "
+        "soon as it is final (default 8192)",
+    )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--csv", metavar="FILE", help="write one row per (TP pair, tokens)")
     parser.add_argument(
@@ -190,6 +218,9 @@ def config_from(args: argparse.Namespace, peer=None):
         control_concurrency=args.control_concurrency,
         hole_blocks=args.hole_blocks,
         seed=args.seed,
+        stream_layers=args.stream_layers if args.layerwise else 0,
+        prefill_tokens_per_s=args.prefill_tokens_per_s,
+        stream_chunk_tokens=args.stream_chunk_tokens,
     )
 
 

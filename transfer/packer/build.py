@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -139,13 +139,20 @@ def plan_transfer(
     policy: StagingPolicy | None = None,
     prefill_window: StagingWindow | None = None,
     decode_window: StagingWindow | None = None,
+    layers: Collection[int] | None = None,
+    tokens: tuple[int, int] | None = None,
+    with_state: bool = True,
 ) -> tuple[TransferPlan, ...]:
     """One `TransferPlan` per decode rank for `request`.
 
     `prefill` / `decode`: one layout per rank, in rank order. Raises InvalidInput naming the
     field for bad input (nothing is planned). Staged bytes go back to back into each side's
     window (default: the whole staging area), so plans with disjoint windows may run at
-    once; the plans of one call never overlap each other.
+    once; the plans of one call never overlap each other. `layers` (model layer indices;
+    None: all) plans only those layers' KV and state: one group of a layer-wise stream.
+    `tokens` (`[start, end)`) limits the KV to those tokens (one chunk of a chunked
+    prefill), and `with_state=False` leaves the state out (it is final only after the
+    last chunk). `useful_bytes` is then what the part holds.
     """
     prefill, decode = tuple(prefill), tuple(decode)
     validate(prefill, decode, request)
@@ -154,10 +161,18 @@ def plan_transfer(
     d_window = decode_window or StagingWindow(0, decode[0].staging_bytes)
     p_window.check(prefill[0].staging_bytes, "prefill_window")
     d_window.check(decode[0].staging_bytes, "decode_window")
+    wanted = None if layers is None else _check_layers(layers, decode[0])
+    if tokens is not None:
+        start, end = tokens
+        if not 0 <= start <= end <= request.num_tokens:
+            raise InvalidInput(
+                f"tokens: [{start}, {end}) is not a range of the request's "
+                f"{request.num_tokens} tokens"
+            )
     cursor = _StagingCursor()
     plans = []
     for d_layout in decode:
-        pieces, naive = decode_rank_pieces(prefill, d_layout, request)
+        pieces, naive = decode_rank_pieces(prefill, d_layout, request, wanted, tokens, with_state)
         sources = tuple(
             _source_plan(
                 p,
@@ -173,8 +188,15 @@ def plan_transfer(
             )
             for p, piece in pieces.items()
         )
-        useful = d_layout.kv_bytes_per_token * request.num_tokens
-        useful += d_layout.state_bytes_per_slot * len(request.dst_slots)
+        num_tokens = request.num_tokens if tokens is None else tokens[1] - tokens[0]
+        if wanted is None:
+            useful = d_layout.kv_bytes_per_token * num_tokens
+            states = d_layout.state_bytes_per_slot
+        else:
+            useful = sum(u.nbytes for u in d_layout.kv_units() if u.layer in wanted)
+            useful *= num_tokens
+            states = sum(u.nbytes for u in d_layout.state_units() if u.layer in wanted)
+        useful += states * len(request.dst_slots) if with_state else 0
         plans.append(TransferPlan(d_layout.rank, request.num_tokens, sources, useful, naive))
     return tuple(plans)
 
@@ -183,6 +205,18 @@ def naive_descriptors(plans: Sequence[TransferPlan]) -> int:
     """What posting one descriptor per (layer, block, K/V region) and per (state tensor,
     slot), per source rank, would take for these plans, as vLLM's NixlConnector does."""
     return sum(plan.naive_descriptors for plan in plans)
+
+
+def _check_layers(layers: Collection[int], layout: Layout) -> frozenset[int]:
+    known = {layer.index for layer in layout.geometry.layers}
+    wanted = frozenset(layers)
+    unknown = sorted(wanted - known)
+    if unknown or not wanted:
+        raise InvalidInput(
+            f"layers: {unknown or 'none given'}: not cache-bearing layers of "
+            f"{layout.geometry.name} ({min(known)}..{max(known)})"
+        )
+    return wanted
 
 
 def staging_extents(plans: Sequence[TransferPlan]) -> tuple[int, int]:

@@ -69,8 +69,11 @@ def _tensors(layout: Layout) -> dict[tuple[int, str], CacheTensor]:
     }
 
 
-def _token_blocks(request: TransferRequest, src: Layout, dst: Layout) -> tuple[np.ndarray, ...]:
-    t = np.arange(request.num_tokens, dtype=np.int64)
+def _token_blocks(
+    request: TransferRequest, src: Layout, dst: Layout, tokens: tuple[int, int] | None
+) -> tuple[np.ndarray, ...]:
+    start, end = tokens or (0, request.num_tokens)
+    t = np.arange(start, end, dtype=np.int64)
     src_blocks = np.asarray(request.src_blocks, dtype=np.int64)
     dst_blocks = np.asarray(request.dst_blocks, dtype=np.int64)
     return (
@@ -122,10 +125,18 @@ def _merge_runs(pairs: list[tuple]) -> list[tuple]:
 
 
 def decode_rank_pieces(
-    prefill: tuple[Layout, ...], decode: Layout, request: TransferRequest
+    prefill: tuple[Layout, ...],
+    decode: Layout,
+    request: TransferRequest,
+    layers: frozenset[int] | None = None,
+    tokens: tuple[int, int] | None = None,
+    with_state: bool = True,
 ) -> tuple[dict[int, SourcePieces], int]:
     """Elementary copies per source prefill rank for `decode`, and the naive descriptor
-    count (one per layer x block x K/V region, or per state tensor x slot, per source)."""
+    count (one per layer x block x K/V region, or per state tensor x slot, per source).
+    `layers` (model layer indices; None: all) limits both to those layers' caches,
+    `tokens` (`[start, end)`; None: all) the KV to those tokens, and `with_state=False`
+    leaves the state out (the naive count stays the whole request's)."""
     p_tp, d_tp, d_rank = prefill[0].tp, decode.tp, decode.rank
     tensors = _tensors(decode)
     by_source: dict[int, SourcePieces] = defaultdict(SourcePieces)
@@ -137,14 +148,17 @@ def decode_rank_pieces(
         sources_of[du.layer, du.tensor].add(p)
         return p
 
+    def wanted(units):
+        return units if layers is None else [u for u in units if u.layer in layers]
+
     kv_pairs = []
-    for du in decode.kv_units():
+    for du in wanted(decode.kv_units()):
         p = source_of(du)
         su = prefill[p].kv_unit(du.layer, du.tensor, du.segment, du.unit)
         key = (p, su.block_stride, su.token_stride, du.block_stride, du.token_stride)
         kv_pairs.append((key, su.base, du.base, su.nbytes))
-    if kv_pairs:
-        src_block, src_pos, dst_block, dst_pos = _token_blocks(request, prefill[0], decode)
+    if kv_pairs and (tokens is None or tokens[1] > tokens[0]):
+        src_block, src_pos, dst_block, dst_pos = _token_blocks(request, prefill[0], decode, tokens)
         for (p, s_block, s_token, d_block, d_token), src, dst, nbytes in _merge_runs(kv_pairs):
             by_source[p].add(
                 src + src_block * s_block + src_pos * s_token,
@@ -156,7 +170,7 @@ def decode_rank_pieces(
     src_slots = np.asarray(request.src_slots, dtype=np.int64)
     dst_slots = np.asarray(request.dst_slots, dtype=np.int64)
     whole_units = []
-    for du in decode.state_units():
+    for du in wanted(decode.state_units()) if with_state else ():
         p = source_of(du)
         su = prefill[p].state_unit(du.layer, du.tensor, du.segment, du.unit)
         if su.is_contiguous and du.is_contiguous:
