@@ -116,14 +116,7 @@ class BenchRank:
         pending = list(handles)
         try:
             while pending:
-                still = []
-                for handle in pending:
-                    status = transport.poll(handle)
-                    if status.failed:
-                        raise RuntimeError(f"transfer failed: {status.reason}")
-                    if status.pending:
-                        still.append(handle)
-                pending = still
+                pending = self._still_pending(pending)
                 if pending:
                     time.sleep(POLL_SLEEP_S)
             for item in items:
@@ -153,14 +146,7 @@ class BenchRank:
                         handle = transport.post(Op.READ, peer, item.batch, deadline_s=deadline_s)
                         handles.append(handle)
                         pending.append(handle)
-                still = []
-                for handle in pending:
-                    status = transport.poll(handle)
-                    if status.failed:
-                        raise RuntimeError(f"transfer failed: {status.reason}")
-                    if status.pending:
-                        still.append(handle)
-                pending = still
+                pending = self._still_pending(pending)
                 if pending:
                     time.sleep(POLL_SLEEP_S)
                 elif waiting:  # nothing in flight: sleep until the next group is ready
@@ -169,6 +155,17 @@ class BenchRank:
         finally:
             for handle in handles:
                 transport.release(handle)
+
+    def _still_pending(self, handles: list[int]) -> list[int]:
+        """The handles not yet DONE; raises if any failed."""
+        still = []
+        for handle in handles:
+            status = self.transport.poll(handle)
+            if status.failed:
+                raise RuntimeError(f"transfer failed: {status.reason}")
+            if status.pending:
+                still.append(handle)
+        return still
 
     def checksum(self, groups: tuple) -> list[int]:
         """CRC32 of the bytes at `(offsets, lengths)` of each group, ranges in the given order."""
