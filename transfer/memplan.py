@@ -45,8 +45,17 @@ class MemoryPlan:
     kv_pages_per_block: int
     state_pages_per_slot: int
     num_kv_blocks: int
-    num_state_slots: int
+    num_state_slots: int  # every slot row, the checkpoint slots included
     padding_bytes: int
+    num_checkpoint_slots: int = 0  # prefix-cache checkpoints: the last ids of the slots
+
+    @property
+    def num_request_slots(self) -> int:
+        return self.num_state_slots - self.num_checkpoint_slots
+
+    @property
+    def checkpoint_slot_ids(self) -> range:
+        return range(self.num_request_slots, self.num_state_slots)
 
     @property
     def kv_block_bytes(self) -> int:
@@ -105,8 +114,10 @@ def plan_memory(
     placement: StatePlacement | str = StatePlacement.PER_REQUEST,
     dtypes: CacheDtypes | None = None,
     alignment: int | None = None,
+    checkpoint_slots: int = 0,
 ) -> MemoryPlan:
-    """Plan one rank's cache. Raises InvalidInput naming the field for bad input or a short budget."""
+    """Plan one rank's cache; `checkpoint_slots` more state slots hold prefix-cache
+    checkpoints. Raises InvalidInput naming the field for bad input or a short budget."""
     page_policy = PagePolicy(page_policy)
     placement = StatePlacement(placement)
     dtypes = dtypes or CacheDtypes()
@@ -115,6 +126,7 @@ def plan_memory(
         ("max_num_seqs", max_num_seqs, 1),
         ("block_size", block_size, 1),
         ("spec_tokens", spec_tokens, 0),
+        ("checkpoint_slots", checkpoint_slots, 0),
     ):
         if value < low:
             raise InvalidInput(f"{field} must be >= {low}, got {value}")
@@ -143,14 +155,15 @@ def plan_memory(
     kv_page = chosen * kv_per_token
     page = max(kv_page, state_page)
 
-    num_slots = max_num_seqs * (1 + spec_tokens)
+    num_slots = max_num_seqs * (1 + spec_tokens) + checkpoint_slots * (state_pages_per_slot > 0)
     state_reserved = num_slots * state_pages_per_slot * page
     block_bytes = kv_pages_per_block * page
     needed = state_reserved + block_bytes
     if needed > budget_bytes:
         raise InvalidInput(
             f"budget of {budget_bytes} B is too small for max_num_seqs={max_num_seqs} "
-            f"(x{1 + spec_tokens} slots with spec_tokens={spec_tokens}): state needs "
+            f"(x{1 + spec_tokens} slots with spec_tokens={spec_tokens}, {checkpoint_slots} "
+            f"checkpoint slots): state needs "
             f"{state_reserved} B plus {block_bytes} B for one KV block; "
             f"missing {needed - budget_bytes} B"
         )
@@ -170,4 +183,5 @@ def plan_memory(
         num_kv_blocks=num_blocks,
         num_state_slots=num_slots,
         padding_bytes=padding,
+        num_checkpoint_slots=checkpoint_slots * (state_pages_per_slot > 0),
     )

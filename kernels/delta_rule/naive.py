@@ -132,38 +132,80 @@ def causal_mask(chunk_size: int, device) -> torch.Tensor:
     return idx[:, None] >= idx[None, :]
 
 
-def _chunk_one(intra: Intra, q, k, v, g, beta, S, chunk_size: int):
-    """One sequence, chunk by chunk (WY/UT form inside a chunk, state recurrence across)."""
-    L = q.shape[0]
-    q, k, v, g, beta = (split_chunks(t, chunk_size) for t in (q, k, v, g, beta))
+def pack_chunks(lengths: list[int], chunk_size: int, device) -> tuple[torch.Tensor, list[int]]:
+    """Every sequence cut into whole chunks: (source [M*C] int64, the packed token each chunk
+    row reads, or -1 for the zero padding that ends a sequence's last chunk; first [N+1], the
+    first chunk of each sequence, M = first[-1])."""
+    first, rows, start = [0], [], 0
+    for length in lengths:
+        n = -(-length // chunk_size)
+        rows.append(torch.arange(start, start + n * chunk_size, device=device))
+        rows[-1][length:] = -1
+        first.append(first[-1] + n)
+        start += length
+    source = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long, device=device)
+    return source, first
+
+
+def gather_chunks(x: torch.Tensor, source: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """x [T, HV, ...] -> [M, HV, C, ...] by `source` (-1 reads zeros)."""
+    padded = torch.cat([x, x.new_zeros(1, *x.shape[1:])])
+    rows = padded[torch.where(source < 0, x.shape[0], source)]
+    return rows.view(-1, chunk_size, *x.shape[1:]).movedim(1, 2)
+
+
+def _chunked(intra: Intra, q, k, v, g, beta, lengths: list[int], S, chunk_size: int):
+    """Packed sequences chunk by chunk (WY/UT form inside a chunk, state recurrence across):
+    q, k [T,HV,K], v [T,HV,V], g [T,HV,K|1], beta [T,HV] hold the sequences of `lengths` back
+    to back; S [N,HV,K,V] is their entering states. Everything that does not depend on S runs
+    for every chunk of every sequence at once; only the recurrence steps chunk by chunk, over
+    the sequences that have that chunk, so one sequence's bits never depend on the others."""
+    source, first = pack_chunks(lengths, chunk_size, q.device)
+    q, k, v, g = (gather_chunks(t, source, chunk_size) for t in (q, k, v, g))
+    b = gather_chunks(beta, source, chunk_size)[..., None]  # [M, HV, C, 1]
+    M, HV, C, K = k.shape
     G = g.cumsum(-2)
-    eye = torch.eye(chunk_size, device=q.device)
+    eye = torch.eye(C, device=q.device)
+    flat = (t.reshape(M * HV, C, -1) for t in (q, k, G))
+    A_kk, A_qk = (a.view(M, HV, C, C) for a in intra(*flat))
+    T_inv = torch.linalg.solve_triangular(eye + (b * A_kk).tril(-1), eye, upper=False)
+    w = T_inv @ (b * G.exp() * k)
+    u = T_inv @ (b * v)
+    q_decayed = q * G.exp()
+    g_last = G[:, :, -1:]
+    k_decayed = k * (g_last - G).exp()
+    state_decay = g_last.transpose(-1, -2).exp()
     o = torch.empty_like(v)
-    for c in range(q.shape[1]):
-        qc, kc, vc, Gc, bc = q[:, c], k[:, c], v[:, c], G[:, c], beta[:, c, :, None]
-        A_kk, A_qk = intra(qc, kc, Gc)
-        T_inv = torch.linalg.solve_triangular(eye + (bc * A_kk).tril(-1), eye, upper=False)
-        w = T_inv @ (bc * Gc.exp() * kc)
-        u = T_inv @ (bc * vc)
-        v_new = u - w @ S
-        o[:, c] = (qc * Gc.exp()) @ S + A_qk @ v_new
-        g_last = Gc[:, -1:]
-        k_decayed = kc * (g_last - Gc).exp()
-        S = S * g_last.transpose(-1, -2).exp() + k_decayed.transpose(-1, -2) @ v_new
-    heads, V = o.shape[0], o.shape[-1]
-    return o.movedim(0, 2).reshape(-1, heads, V)[:L], S
+    counts = [first[n + 1] - first[n] for n in range(len(lengths))]
+    for c in range(max(counts, default=0)):
+        members = [n for n, count in enumerate(counts) if count > c]
+        ids = torch.tensor([first[n] + c for n in members], device=q.device)
+        seq = torch.tensor(members, device=q.device)
+        S_c = S[seq]
+        v_new = u[ids] - w[ids] @ S_c
+        o[ids] = q_decayed[ids] @ S_c + A_qk[ids] @ v_new
+        S[seq] = S_c * state_decay[ids] + k_decayed[ids].transpose(-1, -2) @ v_new
+    out = o.movedim(2, 1).reshape(M * C, HV, -1)
+    return out[source >= 0], S
 
 
 def naive_chunk_delta_rule(
     intra: Intra, q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
     use_qk_l2norm=False, chunk_size=64, cu_seqlens=None,
 ):  # fmt: skip
-    """Chunked delta rule. intra(q, k, G) gets one chunk's q, k [HV,C,K] and cumulative log-decay
-    G [HV,C,K|1] and returns A_kk and A_qk [HV,C,C], sum_c x_ic k_jc exp(G_ic - G_jc) for
+    """Chunked delta rule. intra(q, k, G) gets chunks' q, k [M,C,K] and cumulative log-decay
+    G [M,C,K|1] and returns A_kk and A_qk [M,C,C], sum_c x_ic k_jc exp(G_ic - G_jc) for
     j <= i (x = k, then q), zero above the diagonal. Other shapes as chunk_gdn."""
-
-    def run_one(q, k, v, g, beta, S):
-        return _chunk_one(intra, q, k, v, g, beta, S, chunk_size)
-
-    return per_sequence(run_one, q, k, v, g, beta, scale, initial_state, output_final_state,
-                        use_qk_l2norm, cu_seqlens)  # fmt: skip
+    dtype = v.dtype
+    q, k, v, g, beta = prepare_inputs(q, k, v, g, beta, scale, use_qk_l2norm)
+    B, T, HV, V = v.shape
+    bounds = spans(B, T, cu_seqlens)
+    lengths = [eos - bos for _, bos, eos in bounds]
+    if initial_state is None:
+        S = torch.zeros(len(bounds), HV, k.shape[-1], V, dtype=torch.float32, device=v.device)
+    else:
+        S = initial_state.float().clone()
+    # cu_seqlens spans 0..T, so either form is the sequences back to back along B*T tokens
+    flat = (t.reshape(B * T, *t.shape[2:]) for t in (q, k, v, g, beta))
+    o, S = _chunked(intra, *flat, lengths, S, chunk_size)
+    return o.view(B, T, HV, V).to(dtype), S if output_final_state else None

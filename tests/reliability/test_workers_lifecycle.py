@@ -11,13 +11,13 @@ import signal
 import socket
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
-import torch
 
 from tests.support.ucx_env import pristine_ucx_env
+from tests.support.worker_sides import Side, one_thread, prompt  # noqa: F401 (fixture)
 from transfer.control.client import ClientOptions
 from transfer.control.errors import NotPermitted
 from transfer.control.server import serve
@@ -53,24 +53,6 @@ MAX_TOKENS = 6
 LEASE_S = 30.0
 
 
-def prompt(seed: int, length: int = 40) -> list[int]:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 512, (length,), generator=gen).tolist()
-
-
-@dataclass
-class Side:
-    instance: Instance
-    worker: PrefillWorker | DecodeWorker
-    server: object
-    address: str
-
-    def close(self) -> None:
-        self.server.stop(grace=0)
-        self.worker.close()
-        self.instance.close()
-
-
 def start_prefill(dump_dir: Path, name: str) -> Side:
     instance = Instance(config("prefill", dump_dir))
     address = f"127.0.0.1:{free_port()}"
@@ -85,15 +67,6 @@ def config(role: str, dump_dir: Path) -> InstanceConfig:
     return InstanceConfig(
         role, geometry, tp=1, budget_bytes=16 << 20, max_seqs=3, dump_dir=str(dump_dir)
     )
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The references run here, next to the ranks: one thread each keeps 2 cores sane."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

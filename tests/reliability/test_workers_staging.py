@@ -8,13 +8,12 @@ instances idle: pools, tickets and staging.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import torch
 
 from tests.support.ucx_env import pristine_ucx_env
+from tests.support.worker_sides import Side, one_thread, prompt  # noqa: F401 (fixture)
 from transfer.control.client import ClientOptions, TransferClient
 from transfer.control.errors import ControlError
 from transfer.control.server import serve
@@ -35,24 +34,6 @@ STAGING_BYTES = 1 << 20
 PREFILL_TP = 2  # re-slicing heads: many small ranges per prefill rank, so the packer stages
 
 
-def prompt(seed: int, length: int = 40) -> list[int]:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 512, (length,), generator=gen).tolist()
-
-
-@dataclass
-class Side:
-    instance: Instance
-    worker: PrefillWorker | DecodeWorker
-    server: object
-    address: str
-
-    def close(self) -> None:
-        self.server.stop(grace=0)
-        self.worker.close()
-        self.instance.close()
-
-
 def config(role: str, dump_dir: Path) -> InstanceConfig:
     return InstanceConfig(
         role,
@@ -63,14 +44,6 @@ def config(role: str, dump_dir: Path) -> InstanceConfig:
         dump_dir=str(dump_dir),
         staging_bytes=STAGING_BYTES,
     )
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

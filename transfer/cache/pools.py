@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 from transfer.cache.extents import FreeExtents, count_runs
@@ -265,6 +265,8 @@ class CachePools:
         self.slots = SlotPool(num_slots, spec_slots_per_request)
         self.uses_blocks = uses_blocks
         self.uses_slots = uses_slots
+        # evictor(n) frees up to n cached blocks nobody references (a prefix cache's)
+        self.evictor: Callable[[int], int] | None = None
         self._requests: dict[Hashable, RequestCache] = {}
         self._lock = threading.Lock()
 
@@ -272,11 +274,12 @@ class CachePools:
     def from_plan(
         cls, plan: MemoryPlan, spec_slots_per_request: int = 0, block_policy: str = "contiguous"
     ) -> CachePools:
-        """Pools sized by the memory plan (`num_state_slots` counts the speculative slots)."""
+        """Pools sized by the memory plan (`num_state_slots` counts the speculative slots;
+        the checkpoint slots are the prefix cache's, not the pool's)."""
         return cls(
             plan.block_size,
             plan.num_kv_blocks,
-            plan.num_state_slots,
+            plan.num_request_slots,
             spec_slots_per_request,
             uses_blocks=plan.kv_pages_per_block > 0,
             uses_slots=plan.state_pages_per_slot > 0,
@@ -286,14 +289,25 @@ class CachePools:
     def blocks_for(self, num_tokens: int) -> int:
         return math.ceil(num_tokens / self.block_size) if self.uses_blocks else 0
 
-    def allocate(self, request_id: Hashable, num_tokens: int) -> RequestCache:
-        """Blocks for `num_tokens` plus the request's slots, or CacheFullError and no change."""
+    def allocate(
+        self, request_id: Hashable, num_tokens: int, prefix_blocks: Sequence[int] = ()
+    ) -> RequestCache:
+        """Blocks for `num_tokens` plus the request's slots, or CacheFullError and no change.
+        `prefix_blocks` (a prefix-cache hit, already referenced in the request's block
+        table) cover the first tokens; only the rest are allocated. With an `evictor`, cached
+        blocks nobody references are evicted to make room."""
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
             raise InvalidInput(f"num_tokens must be an integer >= 1, got {num_tokens!r}")
         with self._lock:
             if request_id in self._requests:
                 raise InvalidInput(f"request_id {request_id!r} already allocated")
-            need = self.blocks_for(num_tokens)
+            need = self.blocks_for(num_tokens) - len(prefix_blocks)
+            if need < 0:
+                raise InvalidInput(f"prefix_blocks: {len(prefix_blocks)} cover more than "
+                                   f"{num_tokens} tokens")  # fmt: skip
+            short = need - self.blocks.num_free
+            if short > 0 and self.evictor is not None:
+                self.evictor(short)
             if not self.blocks.can_allocate(need):
                 raise CacheFullError(
                     f"request {request_id!r}: {num_tokens} tokens need {need} blocks, "
@@ -303,7 +317,9 @@ class CachePools:
                 raise CacheFullError(f"request {request_id!r}: no free state slot")
             blocks = self.blocks.allocate(need, request_id)
             slots = self.slots.allocate(request_id) if self.uses_slots else []
-            cache = RequestCache(request_id, num_tokens, tuple(blocks), tuple(slots))
+            cache = RequestCache(
+                request_id, num_tokens, tuple(prefix_blocks) + tuple(blocks), tuple(slots)
+            )
             self._requests[request_id] = cache
             return cache
 

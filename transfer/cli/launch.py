@@ -71,6 +71,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="each worker's staging pool per rank; 0 reads every range directly (default 8)",
     )
     parser.add_argument(
+        "--prefix-cache",
+        action="store_true",
+        help="run the prefill instance with its prefix cache (serve --prefix-cache)",
+    )
+    parser.add_argument(
+        "--checkpoint-interval",
+        type=int,
+        default=0,
+        metavar="TOKENS",
+        help="with --prefix-cache: also checkpoint every TOKENS prompt tokens (serve's flag; "
+        "default 0, prompt ends only)",
+    )
+    parser.add_argument(
+        "--shared-prefix",
+        type=int,
+        default=0,
+        metavar="N",
+        help="the random prompts share their first N tokens; the first request then runs "
+        "alone, so that the others can find its prefix cached (default 0)",
+    )
+    parser.add_argument(
         "--keep-logs", action="store_true", help="keep the run directory (logs, cache dumps)"
     )
     parser.set_defaults(func=run)
@@ -82,9 +103,11 @@ def _config(args: argparse.Namespace) -> LaunchConfig:
     return LaunchConfig(**{name: getattr(args, name) for name in names})
 
 
-def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+def _prompts(n: int, length: int, vocab: int, seed: int, shared: int = 0) -> list[list[int]]:
+    common = random.Random(f"pdxfer-launch:{seed}:shared")
+    prefix = [common.randrange(vocab) for _ in range(shared)]
     return [
-        [rng.randrange(vocab) for _ in range(length)]
+        prefix + [rng.randrange(vocab) for _ in range(length - shared)]
         for rng in (random.Random(f"pdxfer-launch:{seed}:{i}") for i in range(n))
     ]
 
@@ -97,6 +120,7 @@ def launch(config: LaunchConfig) -> int:
     """Run the workers, send the requests, print the report; 0 when every request passed."""
     from transfer.cli.prompts import load_prompts
     from transfer.presets import load_geometry, looks_like_path
+    from transfer.serving.checkpoints import DEFAULT_STATE_CHECKPOINTS
     from transfer.serving.instance import InstanceConfig, plan_for
     from transfer.serving.local import LocalPair, LocalPairConfig
     from transfer.serving.openai.text import TextCodec
@@ -108,11 +132,14 @@ def launch(config: LaunchConfig) -> int:
         encode = codec.encode if codec is not None else None
         prompts = load_prompts(config.prompts, geometry.vocab_size, encode)
     else:
-        prompts = _prompts(config.requests, config.prompt_len, geometry.vocab_size, config.seed)
+        prompts = _prompts(config.requests, config.prompt_len, geometry.vocab_size, config.seed,
+                           config.shared_prefix)  # fmt: skip
     budget = parse_size(config.gpu_mem, "--gpu-mem")
     for role, tp in (("prefill", config.prefill_tp), ("decode", config.decode_tp)):
         try:  # what each serve process will plan, checked before anything starts
             sizes = {"max_seqs": len(prompts), "min_block_size": config.block_size}
+            if config.prefix_cache and role == "prefill":
+                sizes["state_checkpoints"] = DEFAULT_STATE_CHECKPOINTS
             instance = InstanceConfig(
                 role, geometry, model=config.model, ssm_dtype=config.ssm_dtype, tp=tp,
                 budget_bytes=budget, **sizes,
@@ -138,6 +165,7 @@ def launch(config: LaunchConfig) -> int:
             config.transport, config.gpu_mem, config.device, max_seqs=len(prompts),
             block_size=config.block_size, seed=config.seed, dump_dir=dump_dir,
             timeout_s=config.timeout, staging_mib=config.staging_mib,
+            prefix_cache=config.prefix_cache, checkpoint_interval=config.checkpoint_interval,
         ),
         run_dir,
     )  # fmt: skip
@@ -156,7 +184,11 @@ def launch(config: LaunchConfig) -> int:
             )
         address = pair.start_router()
         say.line(f"router at {address}; sending {len(prompts)} requests")
-        outcomes = send_all(address, pair.token, prompts, config.max_tokens, config.timeout, say)
+        first = 1 if config.shared_prefix else 0  # it fills the cache the others may hit
+        outcomes = send_all(address, pair.token, prompts[:first], config.max_tokens,
+                            config.timeout, say)  # fmt: skip
+        outcomes += send_all(address, pair.token, prompts[first:], config.max_tokens,
+                             config.timeout, say, start_index=first)  # fmt: skip
         if config.verify:
             say.line("verifying")
             verify_outcomes(

@@ -33,6 +33,9 @@ class LaunchConfig:
     timeout: float = 300.0
     keep_logs: bool = False
     staging_mib: int = 8
+    prefix_cache: bool = False
+    shared_prefix: int = 0
+    checkpoint_interval: int = 0
 
     def __post_init__(self) -> None:
         for name in _AT_LEAST_ONE:
@@ -41,5 +44,12 @@ class LaunchConfig:
                 raise InvalidInput(f"--{flag} must be >= 1, got {getattr(self, name)}")
         if self.timeout <= 0:
             raise InvalidInput(f"--timeout must be > 0, got {self.timeout}")
+        if not 0 <= self.shared_prefix < self.prompt_len:
+            raise InvalidInput(
+                f"--shared-prefix must be in [0, --prompt-len {self.prompt_len}), "
+                f"got {self.shared_prefix}"
+            )
+        if self.shared_prefix and self.prompts:
+            raise InvalidInput("--shared-prefix shapes the random prompts; not with --prompts")
         if self.staging_mib < 0:
             raise InvalidInput(f"--staging-mib must be >= 0, got {self.staging_mib}")

@@ -37,6 +37,7 @@ def summarize(outcomes: list[Outcome], config: LaunchConfig, codec=None) -> dict
             "kv_bytes": o.kv_bytes,
             "state_bytes": o.state_bytes,
             "descriptors": o.descriptors,
+            "cached_prompt_tokens": o.cached_prompt_tokens,
             "tokens_per_s": round(o.tokens_per_s, 2),
             "error": o.error,
             "problems": o.problems,
@@ -58,10 +59,24 @@ def summarize(outcomes: list[Outcome], config: LaunchConfig, codec=None) -> dict
         "kv_bytes": sum(o.kv_bytes for o in good),
         "state_bytes": sum(o.state_bytes for o in good),
         "descriptors": sum(o.descriptors for o in good),
+        **_prefix_summary(good),
         "ttft_ms": percentiles([o.ttft_ms for o in good]),
         "transfer_ms": percentiles([o.transfer_ms for o in good]),
         "tokens_per_s": percentiles([o.tokens_per_s for o in good]),
         "per_request": per_request,
+    }
+
+
+def _prefix_summary(good: list[Outcome]) -> dict:
+    """Prefill prefix-cache figures: how many requests hit, and the prompt tokens it saved."""
+    prompt_tokens = sum(len(o.prompt) for o in good)
+    cached = sum(o.cached_prompt_tokens for o in good)
+    return {
+        "prefix_hit_rate": round(sum(o.cached_prompt_tokens > 0 for o in good) / len(good), 4)
+        if good
+        else 0.0,
+        "cached_prompt_tokens": cached,
+        "computed_prompt_tokens": prompt_tokens - cached,
     }
 
 

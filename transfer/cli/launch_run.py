@@ -27,6 +27,7 @@ class Outcome:
     kv_bytes: int = 0
     state_bytes: int = 0
     descriptors: int = 0
+    cached_prompt_tokens: int = 0
     wall_s: float = 0.0
     error: str = ""
     problems: list[str] = field(default_factory=list)
@@ -72,13 +73,16 @@ def send_all(
     max_tokens: int,
     timeout_s: float,
     say: Progress,
+    start_index: int = 0,
 ) -> list[Outcome]:
     """Send every prompt through the router at once; each outcome is filled by its own
     thread. Requests still unanswered after `timeout_s` are marked as failed."""
     from transfer.control.client import RouterClient
     from transfer.control.types import GenerateRequest
 
-    outcomes = [Outcome(f"req-{i:04d}", p) for i, p in enumerate(prompts)]
+    outcomes = [Outcome(f"req-{i:04d}", p) for i, p in enumerate(prompts, start_index)]
+    if not outcomes:
+        return []
     client = RouterClient(address, token=token)
 
     def one(out: Outcome) -> None:
@@ -90,6 +94,7 @@ def send_all(
                     out.ttft_ms, out.transfer_ms = event.ttft_ms, event.transfer_ms
                     out.kv_bytes, out.state_bytes = event.kv_bytes, event.state_bytes
                     out.descriptors = event.descriptors
+                    out.cached_prompt_tokens = event.cached_prompt_tokens
                 out.tokens.append(event.token)
         except Exception as exc:  # a failed request is a row in the table, not a crash
             out.error = str(exc) or type(exc).__name__

@@ -6,6 +6,7 @@ import argparse
 import os
 
 from transfer.cli.model_args import add_served_model_arguments
+from transfer.serving.checkpoints import DEFAULT_STATE_CHECKPOINTS
 
 ROLES = ("prefill", "decode", "router")
 
@@ -79,6 +80,28 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
         default=8,
         help="decode stages a prefill rank's ranges under 64 KiB once there are this many "
         "(default 8)",
+    )
+    parser.add_argument(
+        "--prefix-cache",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="prefill: keep full KV blocks by the hash of their tokens and state checkpoints "
+        "at block boundaries, and compute only what a prompt adds to a cached prefix "
+        "(default off; docs/prefix-cache.md)",
+    )
+    parser.add_argument(
+        "--state-checkpoints",
+        type=int,
+        default=DEFAULT_STATE_CHECKPOINTS,
+        help="prefill with --prefix-cache: state slots reserved for checkpoints, beyond "
+        "--max-num-seqs and inside --gpu-mem (default 16)",
+    )
+    parser.add_argument(
+        "--checkpoint-interval",
+        type=int,
+        default=0,
+        help="prefill with --prefix-cache: also checkpoint every this many prompt tokens, a "
+        "multiple of lcm(block size, 64); 0 checkpoints prompt ends only (default 0)",
     )
     parser.add_argument(
         "--max-queue",

@@ -39,6 +39,7 @@ def ticket_to_pb(t: Ticket) -> transfer_pb2.Ticket:
         lease_deadline=t.lease_deadline,
         first_logprob=t.first_logprob,
         abort_key=t.abort_key,
+        cached_tokens=t.cached_tokens,
     )
 
 
@@ -51,6 +52,10 @@ def ticket_from_pb(m: transfer_pb2.Ticket, prefix: str = "") -> Ticket:
     if m.num_tokens < 1:
         raise InvalidInput(f"{prefix}num_tokens: must be >= 1, got {m.num_tokens}")
     _non_negative(m.first_token, f"{prefix}first_token")
+    if not 0 <= m.cached_tokens < max(m.num_tokens, 1):
+        raise InvalidInput(
+            f"{prefix}cached_tokens: must be in [0, num_tokens), got {m.cached_tokens}"
+        )
     if not math.isfinite(m.lease_deadline):
         raise InvalidInput(f"{prefix}lease_deadline: must be finite, got {m.lease_deadline}")
     return Ticket(
@@ -64,6 +69,7 @@ def ticket_from_pb(m: transfer_pb2.Ticket, prefix: str = "") -> Ticket:
         address=m.address,
         first_logprob=m.first_logprob,
         abort_key=m.abort_key,
+        cached_tokens=m.cached_tokens,
     )
 
 
@@ -212,6 +218,7 @@ def token_event_to_pb(e: TokenEvent) -> worker_pb2.TokenEvent:
         state_bytes=e.state_bytes,
         descriptors=e.descriptors,
         logprob=e.logprob,
+        cached_prompt_tokens=e.cached_prompt_tokens,
     )
 
 
@@ -227,6 +234,7 @@ def token_event_from_pb(m: worker_pb2.TokenEvent) -> TokenEvent:
         state_bytes=m.state_bytes,
         descriptors=m.descriptors,
         logprob=m.logprob,
+        cached_prompt_tokens=m.cached_prompt_tokens,
     )
 
 

@@ -114,6 +114,19 @@ class WorkerMetrics:
             registry=r,
         )
 
+        self.prefix_counters = {
+            name: Counter(f"pdxfer_prefix_{name}", text, registry=r)
+            for name, text in (
+                ("hits", "Prompts that started from a cached prefix and state checkpoint"),
+                ("misses", "Prompts that found no cached prefix"),
+                ("hit_tokens", "Prompt tokens served from the prefix cache"),
+                ("checkpoint_saves", "State checkpoints saved"),
+                ("block_evictions", "Cached KV blocks evicted"),
+                ("checkpoint_evictions", "State checkpoints evicted"),
+            )
+        }
+        self._prefix_seen: dict[str, int] = dict.fromkeys(self.prefix_counters, 0)
+
         self.requests_running = Gauge(
             "pdxfer_requests_running", "Requests in the decode batch (or joining it)", registry=r
         )
@@ -194,6 +207,14 @@ class WorkerMetrics:
             raise InvalidInput(f"runs: must be an integer >= 0, got {runs!r}")
         self.kv_block_runs.observe(runs)
         self.kv_block_runs_last.set(runs)
+
+    def record_prefix(self, counts: Mapping[str, int]) -> None:
+        """Advance the prefix-cache counters to `counts` (`PrefixCache.counts()`, which
+        only grow)."""
+        for name, counter in self.prefix_counters.items():
+            value = counts[name]
+            counter.inc(max(0, value - self._prefix_seen[name]))
+            self._prefix_seen[name] = max(value, self._prefix_seen[name])
 
     def render(self) -> bytes:
         """The Prometheus text exposition of this worker's registry."""

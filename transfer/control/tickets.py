@@ -109,10 +109,15 @@ class TicketStore:
         *,
         lease_s: float | None = None,
         first_logprob: float = 0.0,
+        cached_tokens: int = 0,
     ) -> Ticket:
         """Publish a finished prefill. Raises `InvalidInput` naming the field; a rejected call changes nothing."""
         block_ids = tuple(int(b) for b in block_ids)
         validate_ticket_fields(request_id, block_ids, slot_id, num_tokens, first_token, self.config)
+        if not 0 <= cached_tokens < num_tokens:
+            raise InvalidInput(
+                f"cached_tokens: must be in [0, num_tokens={num_tokens}), got {cached_tokens}"
+            )
         lease_s = self.config.lease_s if lease_s is None else lease_s
         if not (math.isfinite(lease_s) and lease_s > 0):
             raise InvalidInput(f"lease_s: must be a positive number of seconds, got {lease_s!r}")
@@ -134,6 +139,7 @@ class TicketStore:
                 address=self.address,
                 first_logprob=first_logprob,
                 abort_key=secrets.token_hex(16),
+                cached_tokens=cached_tokens,
             )
             live = _Live(ticket, holder="", seq=-1)
             self._live[request_id] = live

@@ -72,6 +72,7 @@ class Ticket:
     address: str = ""
     first_logprob: float = 0.0  # the first token's log-probability under the model
     abort_key: str = ""  # Abort must present it (drawn by the prefill instance)
+    cached_tokens: int = 0  # prompt tokens served from the prefill side's prefix cache
 
 
 @dataclass(frozen=True)
@@ -192,6 +193,7 @@ class TokenEvent:
     state_bytes: int = 0
     descriptors: int = 0
     logprob: float = 0.0  # the token's log-probability under the model (before sampling)
+    cached_prompt_tokens: int = 0  # prompt tokens the prefill side found in its prefix cache
 
 
 def make_compat(

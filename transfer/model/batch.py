@@ -54,7 +54,8 @@ class Part:
     tokens [Tg] int64: their tokens' indices along the batch's T, in order;
     cu_seqlens [Ng+1] int64: their bounds within those Tg tokens; slots [Ng] int64;
     fresh [Ng] bool: no context yet, so the state starts from zeros (never read from the
-    slot); num_fresh: how many are fresh.
+    slot); num_fresh: how many are fresh; span: the same tokens as a slice when they are one
+    run (always so in a step of one kind), which reads a view and writes without an index.
     """
 
     chunked: bool
@@ -63,6 +64,18 @@ class Part:
     slots: torch.Tensor
     fresh: torch.Tensor
     num_fresh: int
+    span: slice | None = None
+
+    def take(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, ...] -> this part's rows [Tg, ...] (a view when the part is one run)."""
+        return x[self.tokens] if self.span is None else x[self.span]
+
+    def put(self, out: torch.Tensor, rows: torch.Tensor) -> None:
+        """Write rows [Tg, ...] to this part's rows of out [T, ...]."""
+        if self.span is None:
+            out[self.tokens] = rows
+        else:
+            out[self.span] = rows
 
 
 @dataclass(frozen=True)
@@ -174,6 +187,8 @@ def _part(sequences, bounds, slots, chunked: bool, device) -> Part | None:
         cu.append(len(tokens))
     fresh = [sequences[i].context_len == 0 for i in members]
     index = torch.tensor(members, dtype=torch.long, device=device)
+    first, end = bounds[members[0]], bounds[members[-1] + 1]
+    one_run = end - first == len(tokens)
     return Part(
         chunked=chunked,
         tokens=torch.tensor(tokens, dtype=torch.long, device=device),
@@ -181,4 +196,5 @@ def _part(sequences, bounds, slots, chunked: bool, device) -> Part | None:
         slots=slots[index],
         fresh=torch.tensor(fresh, dtype=torch.bool, device=device),
         num_fresh=sum(fresh),
+        span=slice(first, end) if one_run else None,
     )

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from transfer.geometry import ModelGeometry
+from transfer.geometry import ModelGeometry, Role
 from transfer.model.caches import CacheAccess
 from transfer.model.distributed import TPGroup
 from transfer.model.layers.common import Step
@@ -92,6 +92,25 @@ class RankEngine:
 
     def slot_phase(self, slot: int) -> SlotPhase:
         return self.slots.phase(slot)
+
+    def copy_state(self, src: int, dst: int) -> None:
+        """Copy the S&Conv of every linear layer from slot `src` (READY) to slot `dst` (not
+        being filled), which becomes READY: a prefix-cache checkpoint saved from a request's
+        slot, or restored into one. The copies are the bytes exactly."""
+        if self.slots.phase(src) is not SlotPhase.READY:
+            raise ValueError(
+                f"copy_state: slot {src} holds no state ({self.slots.phase(src).value})"
+            )
+        self.slots.check_not_filling(dst)
+        with torch.inference_mode():  # the cache views are built under the model's
+            for layer in self.geometry.linear_layers:
+                for tensor in layer.cache_tensors():
+                    if tensor.role is Role.SSM:
+                        view = self.caches.ssm(layer.index)
+                    else:
+                        view = self.caches.conv(layer.index, tensor.name)
+                    view[dst].copy_(view[src])
+        self.slots.phases[dst] = SlotPhase.READY
 
     # -- steps ----------------------------------------------------------------------------
 

@@ -81,6 +81,11 @@ class SlotTable:
                 "mark_filling / mark_ready around the transfer that fills it"
             )
 
+    def check_not_filling(self, slot: int) -> None:
+        """Raise CacheFillingError while a transfer writes `slot`."""
+        if self.phase(slot) is SlotPhase.FILLING:
+            raise CacheFillingError(f"slot {slot} is being filled by a transfer")
+
     def _check_free(self, slot: int, action: str) -> None:
         phase = self.phase(slot)
         if phase is SlotPhase.FILLING:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 
 from transfer.cache.pools import CachePools, RequestCache
 from transfer.errors import CapacityError, DeadlineExceeded, InvalidInput
@@ -36,10 +36,14 @@ class Admission:
             return self._waiting
 
     def allocate(
-        self, request_id: Hashable, num_tokens: int, wait_s: float | None = None
+        self,
+        request_id: Hashable,
+        num_tokens: int,
+        wait_s: float | None = None,
+        prefix_blocks: Sequence[int] = (),
     ) -> RequestCache:
         """Blocks for `num_tokens` and a slot, once there is room (waiting at most `wait_s`,
-        default the queue's)."""
+        default the queue's); `prefix_blocks` (a prefix-cache hit) cover the first tokens."""
         wait_s = self.wait_s if wait_s is None else wait_s
         need, total = self.pools.blocks_for(num_tokens), self.pools.blocks.num_total
         if need > total:
@@ -49,7 +53,7 @@ class Admission:
             )
         with self._cond:
             try:
-                return self.pools.allocate(request_id, num_tokens)
+                return self.pools.allocate(request_id, num_tokens, prefix_blocks)
             except CapacityError:
                 if self._waiting >= self.max_queue:
                     raise CapacityError(
@@ -67,7 +71,7 @@ class Admission:
                         )
                     self._cond.wait(min(left, RECHECK_S))
                     try:
-                        return self.pools.allocate(request_id, num_tokens)
+                        return self.pools.allocate(request_id, num_tokens, prefix_blocks)
                     except CapacityError:
                         continue
             finally:

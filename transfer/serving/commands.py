@@ -69,13 +69,17 @@ class AddPeers(RankCommand[None]):
 class PrefillChunk:
     """`tokens` of a prompt after its first `context_len` (0: the prompt starts here, in
     a FREE slot), into `block_ids`/`slot`; the chunk that ends the prompt picks token 0 of
-    the `sampling` stream."""
+    the `sampling` stream. Prefix cache: `restore_from` (a checkpoint slot, or -1) is copied
+    into `slot` before the step (the state after `context_len` cached tokens), and `slot`
+    is copied into `checkpoint_to` (or -1) after it."""
 
     tokens: tuple[int, ...]
     context_len: int
     block_ids: tuple[int, ...]
     slot: int
     sampling: SamplingParams = GREEDY
+    restore_from: int = -1
+    checkpoint_to: int = -1
 
 
 @dataclass(frozen=True)

@@ -212,6 +212,7 @@ class DecodeWorker:
                 state_bytes=reads.state_bytes,
                 descriptors=reads.descriptors,
                 logprob=ticket.first_logprob,
+                cached_prompt_tokens=ticket.cached_tokens,
             )
             first = DecodeStep(
                 ticket.first_token, ticket.num_tokens, blocks, slot, request.sampling, 1

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from transfer.cache.layout import Layout
 from transfer.cache.pools import CachePools
+from transfer.cache.prefix_cache import PrefixCache
 from transfer.cache.staging_pool import PAGE_BYTES as STAGING_PAGE_BYTES
 from transfer.cache.staging_pool import StagingPool
 from transfer.control.types import make_compat
@@ -24,6 +25,7 @@ from transfer.errors import InvalidInput
 from transfer.geometry import ModelGeometry
 from transfer.memplan import MemoryPlan, PagePolicy, plan_memory
 from transfer.serving.admission import Admission
+from transfer.serving.checkpoints import SCAN_CHUNK_ALIGN, checkpoint_alignment
 from transfer.serving.commands import Info
 from transfer.serving.ranks import RankGroup
 from transfer.serving.spec import STAGING_RESERVED_BYTES, RankSpec
@@ -57,6 +59,8 @@ class InstanceConfig:
     max_num_batched_tokens: int = 2048  # prompt tokens per prefill step (longer ones chunk)
     staging_bytes: int = 0  # per rank, for staged transfers (0: every READ is direct)
     staging_min_ranges: int = 8  # stage a source's small ranges once it has this many
+    state_checkpoints: int = 0  # prefill prefix cache: checkpoint slots (0: no prefix cache)
+    checkpoint_interval: int = 0  # also checkpoint every this many prompt tokens (0: ends only)
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
@@ -71,6 +75,12 @@ class InstanceConfig:
                 f"staging_bytes: must be a multiple of {STAGING_PAGE_BYTES} >= 0, "
                 f"got {self.staging_bytes}"
             )
+        if self.state_checkpoints < 0:
+            raise InvalidInput(f"state_checkpoints: must be >= 0, got {self.state_checkpoints}")
+        if self.checkpoint_interval < 0:
+            raise InvalidInput(f"checkpoint_interval: must be >= 0, got {self.checkpoint_interval}")
+        if self.state_checkpoints and self.role != "prefill":
+            raise InvalidInput("state_checkpoints: the prefix cache runs on prefill instances")
         if self.staging_min_ranges < 1:
             raise InvalidInput(f"staging_min_ranges: must be >= 1, got {self.staging_min_ranges}")
         if self.tp % self.nnodes:
@@ -97,7 +107,11 @@ class InstanceConfig:
 def plan_for(config: InstanceConfig) -> MemoryPlan:
     """The memory plan of one rank, with a block size that does not depend on TP."""
     geometry, budget = config.geometry, config.budget_bytes
-    common = dict(dtypes=config.cache_dtypes, page_policy=PagePolicy.VLLM)
+    common = dict(
+        dtypes=config.cache_dtypes,
+        page_policy=PagePolicy.VLLM,
+        checkpoint_slots=config.state_checkpoints,
+    )
     block = plan_memory(geometry, 1, budget, config.max_seqs, config.min_block_size, **common)
     plan = plan_memory(
         geometry,
@@ -169,6 +183,7 @@ class Instance:
         self.pools = CachePools.from_plan(self.plan)
         self.admission = Admission(self.pools, config.max_queue)
         self.staging = StagingPool(self.layouts[0].staging_bytes, STAGING_RESERVED_BYTES)
+        self.prefix = self._prefix_cache()
         fields = self.layouts[0].compat_fields()
         self.compat = make_compat(**{k: str(v) for k, v in fields.items()})
         logger.info(
@@ -180,6 +195,19 @@ class Instance:
             self.plan.num_state_slots,
             config.transport,
         )
+
+    def _prefix_cache(self) -> PrefixCache | None:
+        if not self.plan.num_checkpoint_slots:
+            return None
+        if self.config.checkpoint_interval % checkpoint_alignment(self.plan.block_size):
+            raise InvalidInput(
+                f"checkpoint_interval: must be a multiple of "
+                f"{checkpoint_alignment(self.plan.block_size)} tokens (blocks of "
+                f"{self.plan.block_size}, scan chunks of {SCAN_CHUNK_ALIGN})"
+            )
+        prefix = PrefixCache(self.pools.blocks, self.plan.block_size, self.plan.checkpoint_slot_ids)
+        self.pools.evictor = prefix.evict
+        return prefix
 
     @property
     def block_size(self) -> int:

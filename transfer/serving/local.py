@@ -37,6 +37,8 @@ class LocalPairConfig:
     metrics: bool = False  # serve /metrics on each worker (a free port each)
     max_num_batched_tokens: int = 2048
     staging_mib: int = 8
+    prefix_cache: bool = False  # the prefill instance's prefix cache (--prefix-cache)
+    checkpoint_interval: int = 0
 
 
 class LocalPair:
@@ -67,6 +69,8 @@ class LocalPair:
             "--block-size", str(c.block_size), "--seed", str(c.seed),
             *(["--dump-dir", str(c.dump_dir)] if c.dump_dir else []),
             "--tp", str(tp), "--instance-id", f"{role}-0", "--lease-seconds", str(c.lease_s),
+            *(["--prefix-cache", "--checkpoint-interval", str(c.checkpoint_interval)]
+              if c.prefix_cache and role == "prefill" else []),
         ]  # fmt: skip
 
     def start_workers(self) -> None:

@@ -12,6 +12,7 @@ from collections.abc import Callable
 import numpy as np
 
 from transfer.cache.extents import count_runs
+from transfer.cache.prefix_cache import PrefixHit, block_hashes
 from transfer.control.errors import UnknownRequest
 from transfer.control.metrics import WorkerMetrics
 from transfer.control.tickets import TicketStore
@@ -25,6 +26,7 @@ from transfer.control.types import (
     compat_hash,
 )
 from transfer.errors import CapacityError, InvalidInput
+from transfer.serving.checkpoints import checkpoint_positions, checkpoint_stops
 from transfer.serving.commands import Release, Snapshot, StageGather
 from transfer.serving.instance import Instance
 from transfer.serving.prefill_batcher import PrefillBatcher
@@ -32,6 +34,8 @@ from transfer.serving.rank_protocol import RankCommandError, RankGroupDead
 from transfer.serving.spec import Copies
 
 logger = logging.getLogger(__name__)
+
+NO_HIT = PrefixHit((), None, 0)
 
 
 class PrefillWorker:
@@ -67,7 +71,9 @@ class PrefillWorker:
             rank_layouts=instance.rank_layouts,
         )
 
-        self.batcher = PrefillBatcher(instance.ranks, instance.config.max_num_batched_tokens)
+        self.batcher = PrefillBatcher(
+            instance.ranks, instance.config.max_num_batched_tokens, instance.prefix
+        )
         if metrics is not None:
             metrics.track_requests(
                 running=lambda: self.batcher.num_waiting,
@@ -90,23 +96,56 @@ class PrefillWorker:
         if bad:
             raise InvalidInput(f"prompt_ids: token ids must be < vocab size {vocab}, got {bad[:5]}")
         num_tokens = len(request.prompt_ids)
-        rid = request.request_id
-        cache = self.instance.admission.allocate(rid, num_tokens)
+        rid, prompt = request.request_id, tuple(request.prompt_ids)
+        prefix, hit, hashes = self.instance.prefix, NO_HIT, ()
+        if prefix is not None:
+            hashes = block_hashes(prompt, self.instance.block_size)
+            hit = prefix.match(hashes, num_tokens - 1, rid)
+        try:
+            cache = self.instance.admission.allocate(rid, num_tokens, prefix_blocks=hit.block_ids)
+        except BaseException:
+            self._drop_hit(rid, hit)
+            raise
         if self.metrics is not None:
             self.metrics.record_block_runs(count_runs(cache.block_ids))
         blocks, slot = tuple(cache.block_ids), cache.slot_ids[0]
         ranks = self.instance.ranks
         try:
-            prompt = tuple(request.prompt_ids)
-            first = self.batcher.run(rid, prompt, blocks, slot, request.sampling, is_cancelled)
+            stops = {}
+            if prefix is not None:
+                bs, interval = self.instance.block_size, self.instance.config.checkpoint_interval
+                positions = checkpoint_positions(num_tokens, hit.num_tokens, bs, interval)
+                stops = checkpoint_stops(hashes, bs, positions)
+            first = self.batcher.run(
+                rid, prompt, blocks, slot, request.sampling, is_cancelled,
+                cached_tokens=hit.num_tokens,
+                restore_from=-1 if hit.checkpoint_slot is None else hit.checkpoint_slot,
+                checkpoints=stops,
+            )  # fmt: skip
+            if prefix is not None:
+                cached = len(hit.block_ids)
+                prefix.insert(list(zip(hashes[cached:], blocks[cached : len(hashes)], strict=True)))
             if self.instance.config.dump_dir:
                 ranks.call(Snapshot(rid, "prefill", blocks, slot, num_tokens))
             return self.store.publish(
-                rid, list(blocks), slot, num_tokens, first.token, first_logprob=first.logprob
-            )
+                rid, list(blocks), slot, num_tokens, first.token, first_logprob=first.logprob,
+                cached_tokens=hit.num_tokens,
+            )  # fmt: skip
         except BaseException:
             self._free(rid, slot)
             raise
+        finally:
+            if hit.checkpoint_slot is not None:
+                prefix.unpin(hit.checkpoint_slot)
+            if self.metrics is not None and prefix is not None:
+                self.metrics.record_prefix(prefix.counts())
+
+    def _drop_hit(self, rid: str, hit: PrefixHit) -> None:
+        """Give back what a prefix hit took when the request could not be allocated."""
+        if hit.block_ids:
+            self.instance.pools.blocks.free_request(rid)
+        if hit.checkpoint_slot is not None:
+            self.instance.prefix.unpin(hit.checkpoint_slot)
 
     def stage(self, request: StageRequest) -> int:
         """Pack a held ticket's ranges (`request.ranks[r]` on rank r) back to back into one

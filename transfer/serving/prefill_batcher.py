@@ -5,6 +5,10 @@ of their tokens as one `PrefillBatch` rank command: whole prompts, and a chunk o
 first prompt that does not fit (the rest of it leads the next step). So no rank command
 runs longer than one step's budget, however long the prompt, and a request whose caller
 went away stops at the next chunk.
+
+With a prefix cache, a prompt may start after a cached prefix (its checkpoint is restored
+into the slot in the first chunk's command), and a chunk ends at each of the prompt's
+checkpoint positions, whose state the same command copies into a checkpoint slot.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from transfer.cache.prefix_cache import PrefixCache
 from transfer.control.types import GREEDY, SamplingParams
 from transfer.errors import Cancelled, Closed, InvalidInput, PdxferError, WrongState
 from transfer.serving.commands import PrefillBatch, PrefillChunk, TokenPick
@@ -34,13 +39,23 @@ class _Prompt:
     sampling: SamplingParams
     is_cancelled: Callable[[], bool]
     done: int = 0  # prompt tokens already in the cache
+    restore_from: int = -1  # the checkpoint slot to start from (until the first chunk ran)
+    stops: dict[int, bytes] = field(default_factory=dict)  # checkpoint position -> block hash
     result: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+
+    def take(self, budget: int) -> int:
+        """Tokens of the next chunk: at most `budget`, ending at the next checkpoint."""
+        end = min(len(self.prompt_ids), self.done + budget)
+        stops = [p for p in self.stops if self.done < p < end]
+        return (min(stops) if stops else end) - self.done
 
 
 class PrefillBatcher:
     """Runs the prompts of `run` callers as batched, chunked steps on `ranks`."""
 
-    def __init__(self, ranks: RankGroup, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self, ranks: RankGroup, max_num_batched_tokens: int, prefix: PrefixCache | None = None
+    ) -> None:
         if (
             isinstance(max_num_batched_tokens, bool)
             or not isinstance(max_num_batched_tokens, int)
@@ -51,6 +66,7 @@ class PrefillBatcher:
             )
         self.ranks = ranks
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.prefix = prefix
         self._queue: list[_Prompt] = []  # arrival order; the head may be part-done
         self._cond = threading.Condition()
         self._closed = False
@@ -65,14 +81,27 @@ class PrefillBatcher:
         slot: int,
         sampling: SamplingParams = GREEDY,
         is_cancelled: Callable[[], bool] = lambda: False,
+        *,
+        cached_tokens: int = 0,
+        restore_from: int = -1,
+        checkpoints: dict[int, bytes] | None = None,
     ) -> TokenPick:
         """Prefill the prompt into `block_ids`/`slot` (a FREE slot); the first generated
         token. Raises `Cancelled` once `is_cancelled()` is seen true between chunks; the
-        slot is then part-filled and its owner releases it."""
+        slot is then part-filled and its owner releases it. A prefix hit passes its
+        `cached_tokens` (already in the first blocks) and the checkpoint slot holding the
+        state after them; `checkpoints` maps token positions to the hash of the block each
+        ends, whose state is saved there when the prefix cache has room."""
         if not prompt_ids:
             raise InvalidInput("prompt_ids: must not be empty")
+        if not 0 <= cached_tokens < len(prompt_ids) or (cached_tokens > 0) != (restore_from >= 0):
+            raise InvalidInput(
+                f"cached_tokens: {cached_tokens} must be below the prompt's {len(prompt_ids)} "
+                "tokens, and come with a checkpoint slot to restore"
+            )
         prompt = _Prompt(request_id, tuple(prompt_ids), tuple(block_ids), slot, sampling,
-                         is_cancelled)  # fmt: skip
+                         is_cancelled, cached_tokens, restore_from,
+                         dict(checkpoints or {}) if self.prefix is not None else {})  # fmt: skip
         with self._cond:
             if self._closed:
                 raise Closed("prefill batcher: the instance is shutting down")
@@ -115,7 +144,7 @@ class PrefillBatcher:
         """(prompt, tokens this step) in arrival order, within the token budget."""
         budget, batch = self.max_num_batched_tokens, []
         for prompt in self._queue:
-            take = min(len(prompt.prompt_ids) - prompt.done, budget)
+            take = prompt.take(budget)
             if take <= 0:
                 break
             batch.append((prompt, take))
@@ -123,17 +152,24 @@ class PrefillBatcher:
         return batch
 
     def _step(self, batch: list[tuple[_Prompt, int]]) -> None:
+        saves = [self._reserve(p, n) for p, n in batch]
         chunks = tuple(
-            PrefillChunk(p.prompt_ids[p.done : p.done + n], p.done, p.block_ids, p.slot, p.sampling)
-            for p, n in batch
-        )
+            PrefillChunk(p.prompt_ids[p.done : p.done + n], p.done, p.block_ids, p.slot,
+                         p.sampling, p.restore_from, -1 if save is None else save[1])
+            for (p, n), save in zip(batch, saves, strict=True)
+        )  # fmt: skip
         begin = time.perf_counter()
         try:
             picks = same_on_every_rank(self.ranks.call(PrefillBatch(chunks)), "prefill step")
-        except PdxferError as exc:
-            # A batch that failed its checks (bad input, wrong slot state) changed nothing:
-            # run each part alone to find whose it is. Any other failure may have left
-            # states half-advanced, so every part of the batch fails.
+        except BaseException as exc:
+            for save in filter(None, saves):
+                self.prefix.cancel_checkpoint(save[1])
+            if not isinstance(exc, PdxferError):
+                raise
+            # A batch that failed its checks (bad input, wrong slot state) changed nothing
+            # but the restored slots, which a rerun restores again: run each part alone to
+            # find whose it is. Any other failure may have left states half-advanced, so
+            # every part of the batch fails.
             if len(batch) == 1 or not isinstance(exc, (InvalidInput, WrongState)):
                 for prompt, _ in batch:
                     self._finish(prompt, exc)
@@ -142,14 +178,26 @@ class PrefillBatcher:
             for part in batch:
                 self._step([part])
             return
+        for save in filter(None, saves):
+            self.prefix.commit_checkpoint(*save)
         logger.debug(
             "prefill step: %d prompts, %d tokens, %.1f ms",
             len(batch), sum(n for _, n in batch), (time.perf_counter() - begin) * 1e3,
         )  # fmt: skip
         for (prompt, n), pick in zip(batch, picks, strict=True):
             prompt.done += n
+            prompt.restore_from = -1
             if prompt.done == len(prompt.prompt_ids):
                 self._finish(prompt, pick)
+
+    def _reserve(self, prompt: _Prompt, n: int) -> tuple[bytes, int] | None:
+        """(block hash, checkpoint slot) when this chunk ends at a checkpoint position and
+        the prefix cache has a slot for it."""
+        block_hash = prompt.stops.get(prompt.done + n)
+        if block_hash is None:
+            return None
+        slot = self.prefix.reserve_checkpoint(block_hash)
+        return None if slot is None else (block_hash, slot)
 
     def _finish(self, prompt: _Prompt, outcome: TokenPick | BaseException) -> None:
         with self._cond:

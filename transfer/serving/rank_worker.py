@@ -122,9 +122,15 @@ class RankWorker:
     # -- prefill side ---------------------------------------------------------------------
 
     def prefill_batch(self, chunks: Sequence[PrefillChunk]) -> tuple[TokenPick, ...]:
+        for c in chunks:
+            if c.restore_from >= 0:
+                self.engine.copy_state(c.restore_from, c.slot)
         sequences = [SequenceStep(c.tokens, c.slot, c.block_ids, c.context_len) for c in chunks]
         samplers = [_sampler(c.sampling) for c in chunks]
         output = self.batch.step(sequences, samplers, [0] * len(chunks))
+        for c in chunks:
+            if c.checkpoint_to >= 0:
+                self.engine.copy_state(c.slot, c.checkpoint_to)
         return tuple(TokenPick(p.token, p.logprob) for p in output.picks)
 
     def stage_gather(self, copies: Copies) -> None:

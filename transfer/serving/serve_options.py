@@ -10,6 +10,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from transfer.serving.checkpoints import DEFAULT_STATE_CHECKPOINTS
+
 
 @dataclass(frozen=True)
 class ServeOptions:
@@ -34,6 +36,9 @@ class ServeOptions:
     max_queue: int = 32
     staging_mib: int = 8
     staging_min_ranges: int = 8
+    prefix_cache: bool = False
+    state_checkpoints: int = DEFAULT_STATE_CHECKPOINTS
+    checkpoint_interval: int = 0
     block_size: int = 16
     lease_seconds: float = 30.0
     seed: int = 0

@@ -26,6 +26,9 @@ class Step:
     caches: CacheAccess | None
 
 
+ATTENTION_TILE = 64  # query positions per tile of `attend`
+
+
 def attend(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -34,17 +37,37 @@ def attend(
     k_pos: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """Causal softmax attention; q [Tq,H,D], k [Tk,HK,D], v [Tk,HK,Dv] -> [Tq,H,Dv].
+    """Causal softmax attention of one sequence's chunk; q [Tq,H,D] at positions q_pos (one
+    run), k [Tk,HK,D] and v [Tk,HK,Dv] at positions k_pos = 0..Tk-1 -> [Tq,H,Dv].
 
-    H is a multiple of HK: query head h reads key head h // (H // HK).
+    H is a multiple of HK: query head h reads key head h // (H // HK). Queries run in tiles
+    of `ATTENTION_TILE` positions counted from 0, and each tile reduces over exactly the
+    key positions below its end (zero-padded past Tk), so a row's bits depend on its
+    position alone, not on where the pass began or ended: a prefix-cache hit, a chunked
+    prefill and a fresh prefill write the same bits.
     """
     group = q.shape[1] // k.shape[1]
     if group > 1:
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
-    visible = k_pos[None, :] <= q_pos[:, None]  # [Tq, Tk]
-    scores = scores.masked_fill(~visible, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+    out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+    first, start = int(q_pos[0]), 0
+    while start < q.shape[0]:
+        end = ((first + start) // ATTENTION_TILE + 1) * ATTENTION_TILE
+        stop = min(q.shape[0], end - first)
+        keys, values = _padded(k, end), _padded(v, end)
+        scores = torch.einsum("qhd,khd->hqk", q[start:stop], keys) * scale
+        visible = torch.arange(end, device=q.device)[None, :] <= q_pos[start:stop, None]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        out[start:stop] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
+        start = stop
+    return out
+
+
+def _padded(x: torch.Tensor, length: int) -> torch.Tensor:
+    """x [T, ...] cut or zero-padded to [length, ...]."""
+    if x.shape[0] >= length:
+        return x[:length]
+    return torch.cat([x, x.new_zeros(length - x.shape[0], *x.shape[1:])])
 
 
 def paged_index(

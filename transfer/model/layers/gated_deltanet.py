@@ -20,7 +20,7 @@ from kernels import chunk_gdn, recurrent_gdn
 from transfer.geometry import LayerSpec, Segment
 from transfer.model.batch import Batch, Part
 from transfer.model.layers.norms import gated_rms_norm
-from transfer.model.layers.varlen import scan, short_conv
+from transfer.model.layers.varlen import scan, scan_chunk_size, short_conv
 from transfer.model.rank_weights import RankWeights
 
 
@@ -101,9 +101,9 @@ class GatedDeltaNet:
 
 
 def _delta_rule(part: Part, inputs, initial_state):
-    kernel = chunk_gdn if part.chunked else recurrent_gdn
     q, k, v, g, beta = (t.contiguous() for t in inputs)
-    return kernel(
-        q, k, v, g, beta, initial_state=initial_state, output_final_state=True,
-        use_qk_l2norm=True, cu_seqlens=part.cu_seqlens,
-    )  # fmt: skip
+    args = dict(initial_state=initial_state, output_final_state=True, use_qk_l2norm=True,
+                cu_seqlens=part.cu_seqlens)  # fmt: skip
+    if part.chunked:
+        return chunk_gdn(q, k, v, g, beta, chunk_size=scan_chunk_size(q.device), **args)
+    return recurrent_gdn(q, k, v, g, beta, **args)

@@ -13,7 +13,7 @@ from kernels import chunk_kda, recurrent_kda
 from transfer.geometry import KDASpec, Segment
 from transfer.model.batch import Batch, Part
 from transfer.model.layers.norms import rms_normalize
-from transfer.model.layers.varlen import scan, short_conv
+from transfer.model.layers.varlen import scan, scan_chunk_size, short_conv
 from transfer.model.rank_weights import RankWeights
 
 QKV = ("q", "k", "v")
@@ -68,8 +68,8 @@ class KimiDeltaAttention:
 
 
 def _delta_rule(part: Part, inputs, initial_state):
-    kernel = chunk_kda if part.chunked else recurrent_kda
-    return kernel(
-        *inputs, initial_state=initial_state, output_final_state=True, use_qk_l2norm=True,
-        cu_seqlens=part.cu_seqlens,
-    )  # fmt: skip
+    args = dict(initial_state=initial_state, output_final_state=True, use_qk_l2norm=True,
+                cu_seqlens=part.cu_seqlens)  # fmt: skip
+    if part.chunked:
+        return chunk_kda(*inputs, chunk_size=scan_chunk_size(inputs[0].device), **args)
+    return recurrent_kda(*inputs, **args)

@@ -19,6 +19,13 @@ from transfer.model.layers.common import attend, paged_read
 ScanRun = Callable[[Part, Sequence[torch.Tensor], torch.Tensor | None], tuple]
 
 
+def scan_chunk_size(device: torch.device) -> int:
+    """Chunk length of the chunked delta rule: Triton's 64 on GPUs; on CPUs the torch path
+    does O(C^2) work per token inside a chunk and runs fastest at 32 (docs/benchmarks.md,
+    "Serving")."""
+    return 64 if device.type == "cuda" else 32
+
+
 def initial_states(cache: torch.Tensor, part: Part, dtype: torch.dtype) -> torch.Tensor | None:
     """[Ng, ...] states entering `part`'s sequences: the slot's for those with context, zeros
     for fresh ones; None when all are fresh (the kernels' own zero start)."""
@@ -44,16 +51,16 @@ def short_conv(
     if part is not None:
         init = None if cache is None else initial_states(cache, part, x.dtype)
         out, final = causal_conv1d(
-            x[part.tokens][None], weight, bias, initial_state=init,
+            part.take(x)[None], weight, bias, initial_state=init,
             output_final_state=cache is not None, cu_seqlens=part.cu_seqlens,
         )  # fmt: skip
         if cache is not None:
             cache[part.slots] = final.to(cache.dtype)
-        y[part.tokens] = out[0]
+        part.put(y, out[0])
     part = batch.decode
     if part is not None:
         window = cache[part.slots]
-        y[part.tokens] = causal_conv1d_update(x[part.tokens], window, weight, bias)
+        part.put(y, causal_conv1d_update(part.take(x), window, weight, bias))
         cache[part.slots] = window
     return y
 
@@ -70,12 +77,15 @@ def scan(
         if part is None:
             continue
         init = None if cache is None else initial_states(cache, part, torch.float32)
-        o, final = run(part, [t[part.tokens][None] for t in inputs], init)
+        o, final = run(part, [part.take(t)[None] for t in inputs], init)
         if cache is not None:
             cache[part.slots] = final.to(cache.dtype)
+        num_tokens = batch.token_ids.shape[0]
+        if part.span == slice(0, num_tokens):  # the whole step: no copy
+            return o[0]
         if out is None:
-            out = o.new_empty(batch.token_ids.shape[0], *o.shape[2:])
-        out[part.tokens] = o[0]
+            out = o.new_empty(num_tokens, *o.shape[2:])
+        part.put(out, o[0])
     return out
 
 
@@ -106,9 +116,9 @@ def decode_attention(
     and itself from its blocks of k_cache / v_cache [NB, BS, HK, D|Dv] (written by
     `write_kv` first). Returns [Nd, H, Dv] in the decode part's token order."""
     part = batch.decode
-    rows = q[part.tokens].float()
+    rows = part.take(q).float()
     members = torch.searchsorted(batch.cu_seqlens, part.tokens, right=True) - 1
-    lengths = batch.positions[part.tokens] + 1
+    lengths = part.take(batch.positions) + 1
     grid = torch.arange(int(lengths.max()), device=q.device)
     valid = grid[None, :] < lengths[:, None]  # [Nd, L]
     table = batch.block_tables[members]
@@ -140,7 +150,7 @@ def paged_attention(
     o = q.new_empty(*q.shape[:2], v.shape[-1])
     batched = batch.decode is not None and k_cache is not None
     if batched:
-        o[batch.decode.tokens] = decode_attention(batch, q, k_cache, v_cache, scale).to(o.dtype)
+        batch.decode.put(o, decode_attention(batch, q, k_cache, v_cache, scale).to(o.dtype))
     for i, sequence in enumerate(batch.sequences):
         if batched and not sequence.prefill:
             continue
