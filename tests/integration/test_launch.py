@@ -129,6 +129,29 @@ def test_launch_64_concurrent_requests_all_verify():
     assert_no_leftovers(launch_id)
 
 
+def test_launch_prefix_cache_hits_on_both_sides_and_verifies():
+    """Prompts sharing their first 256 tokens: after the first request (alone), the others
+    restore its checkpoint on prefill and reuse its blocks on decode; every request still
+    verifies, and what each reports adds up."""
+    args = [
+        "--model", "tiny-qwen3-next", "--requests", "3", "--prompt-len", "300",
+        "--max-tokens", "4", "--prefix-cache", "--checkpoint-interval", "128",
+        "--shared-prefix", "256", "--verify", "--json",
+    ]  # fmt: skip
+    proc, launch_id = run_launch(args)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = json.loads(proc.stdout)
+    assert summary["verified"] == 3 and summary["failed"] == 0
+    rows = summary["per_request"]
+    assert [r["cached_prompt_tokens"] for r in rows] == [0, 256, 256]
+    assert [r["reused_decode_tokens"] for r in rows] == [0, 256, 256]
+    kv, _ = expected_bytes("tiny-qwen3-next", 1, 300)
+    assert rows[0]["kv_bytes"] == kv and rows[1]["kv_bytes"] == kv * 44 // 300
+    assert summary["computed_prompt_tokens"] == 900 - 512
+    assert summary["prefix_hit_rate"] == summary["decode_reuse_rate"] == round(2 / 3, 4)
+    assert_no_leftovers(launch_id)
+
+
 def test_launch_ucx_table():
     """The second transport, and the human-readable table."""
     args = [

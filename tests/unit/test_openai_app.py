@@ -72,8 +72,39 @@ def test_completion_with_token_ids_returns_the_engine_tokens_and_usage():
     body = reply.json()
     assert body["choices"][0]["token_ids"] == expected([5, 6, 7], 4)
     assert body["choices"][0]["finish_reason"] == "length"
-    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    assert body["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 4,
+        "total_tokens": 7,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     assert engine.calls[0][1].temperature == 1.0
+
+
+@dataclass(frozen=True)
+class CachedEvent(Event):
+    cached_prompt_tokens: int = 0
+
+
+class PrefixHitEngine(CountingEngine):
+    """The first event says the prefill side found 2 of the prompt's tokens cached."""
+
+    def generate(self, request_id, prompt_ids, sampling):
+        for i, e in enumerate(super().generate(request_id, prompt_ids, sampling)):
+            yield CachedEvent(e.token, e.logprob, e.finished, 2 if i == 0 else 0)
+
+
+def test_usage_reports_the_prefix_cache_hit_as_cached_tokens(codec):
+    client = make_client(PrefixHitEngine(), codec)
+    reply = client.post(
+        "/v1/completions", json={"model": "tiny", "prompt": [[5, 6, 7], [8, 9]], "max_tokens": 2}
+    )
+    assert reply.json()["usage"]["prompt_tokens_details"] == {"cached_tokens": 4}
+    chat = client.post(
+        "/v1/chat/completions",
+        json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+    )
+    assert chat.json()["usage"]["prompt_tokens_details"] == {"cached_tokens": 2}
 
 
 def test_a_list_of_prompts_gives_one_choice_each():

@@ -147,13 +147,21 @@ def test_checkpoint_slots_are_planned_past_the_request_slots():
         plan_memory(geometry, 1, 16 << 20, 4, checkpoint_slots=-1)
 
 
-def test_cached_tokens_cross_the_wire_and_are_checked():
-    ticket = Ticket("r", "p", (1, 2), 0, 40, 5, 1e9, cached_tokens=32)
-    assert ticket_from_pb(ticket_to_pb(ticket)).cached_tokens == 32
+def test_cached_tokens_and_block_hashes_cross_the_wire_and_are_checked():
+    hashes = block_hashes(range(40), 16)
+    ticket = Ticket("r", "p", (1, 2, 3), 0, 40, 5, 1e9, cached_tokens=32, block_hashes=hashes)
+    back = ticket_from_pb(ticket_to_pb(ticket))
+    assert (back.cached_tokens, back.block_hashes) == (32, hashes)
     bad = ticket_to_pb(ticket)
     bad.cached_tokens = 40
     with pytest.raises(InvalidInput, match="cached_tokens"):
         ticket_from_pb(bad)
+    for wrong in ([b"short"], [hashes[0]] * 4):  # a bad length; more hashes than blocks
+        bad = ticket_to_pb(ticket)
+        del bad.block_hashes[:]
+        bad.block_hashes.extend(wrong)
+        with pytest.raises(InvalidInput, match="block_hashes"):
+            ticket_from_pb(bad)
 
 
 def test_prefix_metrics_count_what_the_cache_counted():

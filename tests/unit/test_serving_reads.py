@@ -17,13 +17,14 @@ from transfer.cache.staging_pool import StagingPool
 from transfer.control.errors import ControlError
 from transfer.control.types import StageRequest, Ticket
 from transfer.errors import InvalidInput
-from transfer.packer import TransferRequest
+from transfer.packer import StagingPolicy, TransferRequest, plan_transfer
 from transfer.presets import get_preset
 from transfer.serving.reads import (
     STAGING_REFUSED,
     Reads,
     plan_direct,
     plan_reads,
+    reads_of,
     transfer_request,
 )
 from transfer.serving.spec import STAGING_RESERVED_BYTES, WARMUP_BYTES, staging_area_bytes
@@ -393,3 +394,50 @@ def test_too_few_small_ranges_read_directly_without_asking():
     assert stager.requests == []
     assert _same_reads(reads, plan_direct(prefill, decode, _request()))
     assert not pool.holds(RID)
+
+
+# --- decode already holds the first blocks (prefix cache) ---------------------------------
+
+
+def _written(reads: Reads, size: int) -> np.ndarray:
+    """[rank, byte] True where `reads` writes (READ destinations and scatter targets)."""
+    mask = np.zeros((len(reads.per_rank), size), dtype=bool)
+    for rank, share in enumerate(reads.per_rank):
+        for batch in share.batches:
+            for local, n in zip(batch.local.tolist(), batch.nbytes.tolist(), strict=True):
+                mask[rank, local : local + n] = True
+        for dst, n in zip(share.scatter.dst.tolist(), share.scatter.nbytes.tolist(), strict=True):
+            mask[rank, dst : dst + n] = True
+    return mask
+
+
+@pytest.mark.parametrize("name", PRESETS)
+@pytest.mark.parametrize(("p", "d"), PAIRS)
+def test_reused_blocks_are_never_written_and_the_rest_lands_as_a_whole_transfer(name, p, d):
+    prefill, decode = _layouts(name, p), _layouts(name, d)
+    request, reused = _request(), 3 * BLOCK_SIZE
+    rng = np.random.default_rng(7 * p + d)
+    p_arenas, d_start = _arenas(prefill, rng), _arenas(decode, rng)
+    cache = decode[0].staging_offset
+    whole = plan_direct(prefill, decode, request)
+    stager = FakeStager(prefill, p_arenas)
+    suffix = plan_reads(prefill, decode, request, request_id=RID, holder=HOLDER,
+                        stager=stager, pool=_decode_pool(decode), min_small_ranges=2,
+                        reused_tokens=reused)  # fmt: skip
+    # the held blocks' KV, as an earlier transfer wrote it (no state: that crosses whole)
+    held = reads_of(plan_transfer(prefill, decode, request, StagingPolicy(enabled=False),
+                                  tokens=(0, reused), with_state=False))  # fmt: skip
+    # what moved: the KV of the other tokens, all of the state
+    assert suffix.kv_bytes == whole.kv_bytes * (TOKENS - reused) // TOKENS
+    assert suffix.state_bytes == whole.state_bytes and held.state_bytes == 0
+    assert held.kv_bytes + suffix.kv_bytes == whole.kv_bytes
+    # the held blocks' bytes are never written by the suffix's READs or scatters
+    assert not (_written(suffix, cache) & _written(held, cache)[:, :cache]).any()
+    # held blocks (as an earlier transfer left them) + the suffix == one whole transfer
+    expected = [a.copy() for a in d_start]
+    _apply(whole, p_arenas, expected)
+    got = [a.copy() for a in d_start]
+    _apply(held, p_arenas, got)
+    _apply(suffix, p_arenas, got)
+    for want, have in zip(expected, got, strict=True):
+        assert np.array_equal(want[:cache], have[:cache])

@@ -129,10 +129,18 @@ class PrefixCache:
         self._counts = dict.fromkeys(_COUNTS, 0)
         self._lock = threading.Lock()
 
-    def match(self, hashes: Sequence[bytes], max_tokens: int, request_id: Hashable) -> PrefixHit:
+    def match(
+        self,
+        hashes: Sequence[bytes],
+        max_tokens: int,
+        request_id: Hashable,
+        needs_checkpoint: bool = True,
+    ) -> PrefixHit:
         """Longest cached prefix of `hashes` that ends at a committed checkpoint and spans at most
         `max_tokens` tokens. Its blocks go into `request_id`'s block table (which must still be
-        empty) with a reference each, and its checkpoint slot is pinned until `unpin`."""
+        empty) with a reference each, and its checkpoint slot is pinned until `unpin`. With
+        `needs_checkpoint=False` (a decode instance, to which the state crosses whole) the
+        hit is the longest cached run of blocks, with no checkpoint."""
         _check_int("max_tokens", max_tokens, 0)
         if request_id is None:
             raise InvalidInput("request_id must not be None")
@@ -150,7 +158,7 @@ class PrefixCache:
                 if h in seen:
                     raise InvalidInput("hashes: duplicate block hash")
                 seen[h] = None
-                if h in self._committed:
+                if h in self._committed or not needs_checkpoint:
                     hit = len(seen)
             if not hit:
                 self._counts["misses"] += 1
@@ -158,10 +166,11 @@ class PrefixCache:
             chain = list(seen)[:hit]
             ids = tuple(self._cached[h] for h in chain)
             self.blocks.incref(ids, request_id)
-            slot = self._committed[chain[-1]]
-            self._pins[slot] = self._pins.get(slot, 0) + 1
             self._touch(chain)
-            self._committed.move_to_end(chain[-1])
+            slot = self._committed.get(chain[-1]) if needs_checkpoint else None
+            if slot is not None:
+                self._pins[slot] = self._pins.get(slot, 0) + 1
+                self._committed.move_to_end(chain[-1])
             num_tokens = hit * self.block_size
             self._counts["hits"] += 1
             self._counts["hit_tokens"] += num_tokens

@@ -120,7 +120,6 @@ def launch(config: LaunchConfig) -> int:
     """Run the workers, send the requests, print the report; 0 when every request passed."""
     from transfer.cli.prompts import load_prompts
     from transfer.presets import load_geometry, looks_like_path
-    from transfer.serving.checkpoints import DEFAULT_STATE_CHECKPOINTS
     from transfer.serving.instance import InstanceConfig, plan_for
     from transfer.serving.local import LocalPair, LocalPairConfig
     from transfer.serving.openai.text import TextCodec
@@ -138,8 +137,7 @@ def launch(config: LaunchConfig) -> int:
     for role, tp in (("prefill", config.prefill_tp), ("decode", config.decode_tp)):
         try:  # what each serve process will plan, checked before anything starts
             sizes = {"max_seqs": len(prompts), "min_block_size": config.block_size}
-            if config.prefix_cache and role == "prefill":
-                sizes["state_checkpoints"] = DEFAULT_STATE_CHECKPOINTS
+            sizes["prefix_cache"] = config.prefix_cache
             instance = InstanceConfig(
                 role, geometry, model=config.model, ssm_dtype=config.ssm_dtype, tp=tp,
                 budget_bytes=budget, **sizes,

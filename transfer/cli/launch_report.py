@@ -38,6 +38,7 @@ def summarize(outcomes: list[Outcome], config: LaunchConfig, codec=None) -> dict
             "state_bytes": o.state_bytes,
             "descriptors": o.descriptors,
             "cached_prompt_tokens": o.cached_prompt_tokens,
+            "reused_decode_tokens": o.reused_decode_tokens,
             "tokens_per_s": round(o.tokens_per_s, 2),
             "error": o.error,
             "problems": o.problems,
@@ -68,15 +69,20 @@ def summarize(outcomes: list[Outcome], config: LaunchConfig, codec=None) -> dict
 
 
 def _prefix_summary(good: list[Outcome]) -> dict:
-    """Prefill prefix-cache figures: how many requests hit, and the prompt tokens it saved."""
+    """Prefix-cache figures: how many requests hit on each side, the prompt tokens prefill
+    did not compute, and the prompt tokens decode did not read."""
     prompt_tokens = sum(len(o.prompt) for o in good)
     cached = sum(o.cached_prompt_tokens for o in good)
+
+    def rate(hits: int) -> float:
+        return round(hits / len(good), 4) if good else 0.0
+
     return {
-        "prefix_hit_rate": round(sum(o.cached_prompt_tokens > 0 for o in good) / len(good), 4)
-        if good
-        else 0.0,
+        "prefix_hit_rate": rate(sum(o.cached_prompt_tokens > 0 for o in good)),
+        "decode_reuse_rate": rate(sum(o.reused_decode_tokens > 0 for o in good)),
         "cached_prompt_tokens": cached,
         "computed_prompt_tokens": prompt_tokens - cached,
+        "reused_decode_tokens": sum(o.reused_decode_tokens for o in good),
     }
 
 

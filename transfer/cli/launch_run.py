@@ -28,6 +28,7 @@ class Outcome:
     state_bytes: int = 0
     descriptors: int = 0
     cached_prompt_tokens: int = 0
+    reused_decode_tokens: int = 0
     wall_s: float = 0.0
     error: str = ""
     problems: list[str] = field(default_factory=list)
@@ -95,6 +96,7 @@ def send_all(
                     out.kv_bytes, out.state_bytes = event.kv_bytes, event.state_bytes
                     out.descriptors = event.descriptors
                     out.cached_prompt_tokens = event.cached_prompt_tokens
+                    out.reused_decode_tokens = event.reused_decode_tokens
                 out.tokens.append(event.token)
         except Exception as exc:  # a failed request is a row in the table, not a crash
             out.error = str(exc) or type(exc).__name__

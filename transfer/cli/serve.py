@@ -85,9 +85,10 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
         "--prefix-cache",
         action=argparse.BooleanOptionalAction,
         default=False,
-        help="prefill: keep full KV blocks by the hash of their tokens and state checkpoints "
-        "at block boundaries, and compute only what a prompt adds to a cached prefix "
-        "(default off; docs/prefix-cache.md)",
+        help="keep full KV blocks by the hash of their tokens. Prefill also keeps state "
+        "checkpoints at block boundaries and computes only what a prompt adds to a cached "
+        "prefix; decode reads only the blocks it does not hold yet (default off; "
+        "docs/prefix-cache.md)",
     )
     parser.add_argument(
         "--state-checkpoints",

@@ -26,6 +26,8 @@ from transfer.control.types import (
 )
 from transfer.errors import InvalidInput
 
+BLOCK_HASH_BYTES = 16  # transfer.cache.prefix_cache.block_hashes
+
 
 def ticket_to_pb(t: Ticket) -> transfer_pb2.Ticket:
     return transfer_pb2.Ticket(
@@ -40,6 +42,7 @@ def ticket_to_pb(t: Ticket) -> transfer_pb2.Ticket:
         first_logprob=t.first_logprob,
         abort_key=t.abort_key,
         cached_tokens=t.cached_tokens,
+        block_hashes=list(t.block_hashes),
     )
 
 
@@ -56,6 +59,13 @@ def ticket_from_pb(m: transfer_pb2.Ticket, prefix: str = "") -> Ticket:
         raise InvalidInput(
             f"{prefix}cached_tokens: must be in [0, num_tokens), got {m.cached_tokens}"
         )
+    if len(m.block_hashes) > len(m.block_ids) or any(
+        len(h) != BLOCK_HASH_BYTES for h in m.block_hashes
+    ):
+        raise InvalidInput(
+            f"{prefix}block_hashes: at most one {BLOCK_HASH_BYTES}-byte hash per block, got "
+            f"{len(m.block_hashes)} for {len(m.block_ids)} blocks"
+        )
     if not math.isfinite(m.lease_deadline):
         raise InvalidInput(f"{prefix}lease_deadline: must be finite, got {m.lease_deadline}")
     return Ticket(
@@ -70,6 +80,7 @@ def ticket_from_pb(m: transfer_pb2.Ticket, prefix: str = "") -> Ticket:
         first_logprob=m.first_logprob,
         abort_key=m.abort_key,
         cached_tokens=m.cached_tokens,
+        block_hashes=tuple(m.block_hashes),
     )
 
 
@@ -219,6 +230,7 @@ def token_event_to_pb(e: TokenEvent) -> worker_pb2.TokenEvent:
         descriptors=e.descriptors,
         logprob=e.logprob,
         cached_prompt_tokens=e.cached_prompt_tokens,
+        reused_decode_tokens=e.reused_decode_tokens,
     )
 
 
@@ -235,6 +247,7 @@ def token_event_from_pb(m: worker_pb2.TokenEvent) -> TokenEvent:
         descriptors=m.descriptors,
         logprob=m.logprob,
         cached_prompt_tokens=m.cached_prompt_tokens,
+        reused_decode_tokens=m.reused_decode_tokens,
     )
 
 

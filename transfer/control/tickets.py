@@ -110,6 +110,7 @@ class TicketStore:
         lease_s: float | None = None,
         first_logprob: float = 0.0,
         cached_tokens: int = 0,
+        block_hashes: tuple[bytes, ...] = (),
     ) -> Ticket:
         """Publish a finished prefill. Raises `InvalidInput` naming the field; a rejected call changes nothing."""
         block_ids = tuple(int(b) for b in block_ids)
@@ -140,6 +141,7 @@ class TicketStore:
                 first_logprob=first_logprob,
                 abort_key=secrets.token_hex(16),
                 cached_tokens=cached_tokens,
+                block_hashes=tuple(block_hashes),
             )
             live = _Live(ticket, holder="", seq=-1)
             self._live[request_id] = live

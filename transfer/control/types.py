@@ -73,6 +73,7 @@ class Ticket:
     first_logprob: float = 0.0  # the first token's log-probability under the model
     abort_key: str = ""  # Abort must present it (drawn by the prefill instance)
     cached_tokens: int = 0  # prompt tokens served from the prefill side's prefix cache
+    block_hashes: tuple[bytes, ...] = ()  # chained hash of each full prompt block
 
 
 @dataclass(frozen=True)
@@ -194,6 +195,7 @@ class TokenEvent:
     descriptors: int = 0
     logprob: float = 0.0  # the token's log-probability under the model (before sampling)
     cached_prompt_tokens: int = 0  # prompt tokens the prefill side found in its prefix cache
+    reused_decode_tokens: int = 0  # prompt tokens whose KV the decode side already held
 
 
 def make_compat(

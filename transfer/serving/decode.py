@@ -175,16 +175,27 @@ class DecodeWorker:
             raise
         rid, ranks = ticket.request_id, self.instance.ranks
         total = ticket.num_tokens + request.max_tokens - 1  # the last token is never fed back
+        prefix, held = self.instance.prefix, ()
         try:
+            if prefix is not None and ticket.block_hashes:
+                # the state always crosses whole, so every full prompt block counts
+                held = prefix.match(ticket.block_hashes, ticket.num_tokens, rid, False).block_ids
+                if self.metrics is not None:
+                    self.metrics.record_prefix(prefix.counts())
             # Short: the ticket's lease runs meanwhile, and prefill holds its cache for us.
-            cache = self.instance.admission.allocate(rid, total, wait_s=ACQUIRED_WAIT_S)
+            cache = self.instance.admission.allocate(
+                rid, total, wait_s=ACQUIRED_WAIT_S, prefix_blocks=held
+            )
         except (PdxferError, ValueError) as exc:  # full (CapacityError) or too long
+            if held:
+                self.instance.pools.blocks.free_request(rid)
             self._abort(peer, ticket, f"decode {self.instance_id}: {exc}")
             raise
         blocks, slot = tuple(cache.block_ids), cache.slot_ids[0]
         released = False
         try:
             prompt_blocks = blocks[: self.instance.layouts[0].blocks_for(ticket.num_tokens)]
+            reused = len(held) * self.instance.block_size
             reads = plan_reads(
                 peer.layouts,
                 self.instance.layouts,
@@ -194,9 +205,18 @@ class DecodeWorker:
                 stager=peer.client,
                 pool=self.instance.staging,
                 min_small_ranges=self.instance.config.staging_min_ranges,
+                reused_tokens=reused,
             )
-            transfer_s = self._transfer(peer, ticket, reads, prompt_blocks, slot)
+            # Only the blocks being read are FILLING: the held ones are shared, read-only.
+            new_blocks = prompt_blocks[len(held) :]
+            transfer_s = self._transfer(peer, ticket, reads, new_blocks, slot)
             self.instance.staging.free(rid)  # every READ landed and was unpacked
+            if prefix is not None:
+                full = len(ticket.block_hashes)
+                pairs = zip(
+                    ticket.block_hashes[len(held) :], prompt_blocks[len(held) : full], strict=True
+                )
+                prefix.insert(list(pairs))
             if self.instance.config.dump_dir:
                 ranks.call(Snapshot(rid, "decode", blocks, slot, ticket.num_tokens))
             peer.client.release(rid, self.instance_id, ticket.block_ids, ticket.slot_id)
@@ -213,6 +233,7 @@ class DecodeWorker:
                 descriptors=reads.descriptors,
                 logprob=ticket.first_logprob,
                 cached_prompt_tokens=ticket.cached_tokens,
+                reused_decode_tokens=reused,
             )
             first = DecodeStep(
                 ticket.first_token, ticket.num_tokens, blocks, slot, request.sampling, 1

@@ -25,7 +25,11 @@ from transfer.errors import InvalidInput
 from transfer.geometry import ModelGeometry
 from transfer.memplan import MemoryPlan, PagePolicy, plan_memory
 from transfer.serving.admission import Admission
-from transfer.serving.checkpoints import SCAN_CHUNK_ALIGN, checkpoint_alignment
+from transfer.serving.checkpoints import (
+    DEFAULT_STATE_CHECKPOINTS,
+    SCAN_CHUNK_ALIGN,
+    checkpoint_alignment,
+)
 from transfer.serving.commands import Info
 from transfer.serving.ranks import RankGroup
 from transfer.serving.spec import STAGING_RESERVED_BYTES, RankSpec
@@ -59,7 +63,8 @@ class InstanceConfig:
     max_num_batched_tokens: int = 2048  # prompt tokens per prefill step (longer ones chunk)
     staging_bytes: int = 0  # per rank, for staged transfers (0: every READ is direct)
     staging_min_ranges: int = 8  # stage a source's small ranges once it has this many
-    state_checkpoints: int = 0  # prefill prefix cache: checkpoint slots (0: no prefix cache)
+    prefix_cache: bool = False  # keep full KV blocks by hash (docs/prefix-cache.md)
+    state_checkpoints: int = DEFAULT_STATE_CHECKPOINTS  # prefill with a prefix cache
     checkpoint_interval: int = 0  # also checkpoint every this many prompt tokens (0: ends only)
 
     def __post_init__(self) -> None:
@@ -75,12 +80,12 @@ class InstanceConfig:
                 f"staging_bytes: must be a multiple of {STAGING_PAGE_BYTES} >= 0, "
                 f"got {self.staging_bytes}"
             )
-        if self.state_checkpoints < 0:
-            raise InvalidInput(f"state_checkpoints: must be >= 0, got {self.state_checkpoints}")
+        if self.state_checkpoints < (1 if self.prefix_cache and self.role == "prefill" else 0):
+            raise InvalidInput(
+                f"state_checkpoints: a prefill prefix cache needs >= 1, got {self.state_checkpoints}"
+            )
         if self.checkpoint_interval < 0:
             raise InvalidInput(f"checkpoint_interval: must be >= 0, got {self.checkpoint_interval}")
-        if self.state_checkpoints and self.role != "prefill":
-            raise InvalidInput("state_checkpoints: the prefix cache runs on prefill instances")
         if self.staging_min_ranges < 1:
             raise InvalidInput(f"staging_min_ranges: must be >= 1, got {self.staging_min_ranges}")
         if self.tp % self.nnodes:
@@ -90,6 +95,12 @@ class InstanceConfig:
         if self.nnodes > 1 and not self.dist_addr:
             raise InvalidInput("dist_addr: HOST:PORT is required when nnodes > 1")
         self.geometry.check_tp(self.tp)
+
+    @property
+    def checkpoint_slots(self) -> int:
+        """State slots the plan reserves for checkpoints (a prefill prefix cache only: the
+        state always crosses whole to decode)."""
+        return self.state_checkpoints if self.prefix_cache and self.role == "prefill" else 0
 
     @property
     def model_source(self) -> str:
@@ -110,7 +121,7 @@ def plan_for(config: InstanceConfig) -> MemoryPlan:
     common = dict(
         dtypes=config.cache_dtypes,
         page_policy=PagePolicy.VLLM,
-        checkpoint_slots=config.state_checkpoints,
+        checkpoint_slots=config.checkpoint_slots,
     )
     block = plan_memory(geometry, 1, budget, config.max_seqs, config.min_block_size, **common)
     plan = plan_memory(
@@ -197,7 +208,7 @@ class Instance:
         )
 
     def _prefix_cache(self) -> PrefixCache | None:
-        if not self.plan.num_checkpoint_slots:
+        if not self.config.prefix_cache:
             return None
         if self.config.checkpoint_interval % checkpoint_alignment(self.plan.block_size):
             raise InvalidInput(

@@ -70,7 +70,7 @@ class LocalPair:
             *(["--dump-dir", str(c.dump_dir)] if c.dump_dir else []),
             "--tp", str(tp), "--instance-id", f"{role}-0", "--lease-seconds", str(c.lease_s),
             *(["--prefix-cache", "--checkpoint-interval", str(c.checkpoint_interval)]
-              if c.prefix_cache and role == "prefill" else []),
+              if c.prefix_cache else []),
         ]  # fmt: skip
 
     def start_workers(self) -> None:

@@ -97,9 +97,9 @@ class PrefillWorker:
             raise InvalidInput(f"prompt_ids: token ids must be < vocab size {vocab}, got {bad[:5]}")
         num_tokens = len(request.prompt_ids)
         rid, prompt = request.request_id, tuple(request.prompt_ids)
-        prefix, hit, hashes = self.instance.prefix, NO_HIT, ()
+        prefix, hit = self.instance.prefix, NO_HIT
+        hashes = block_hashes(prompt, self.instance.block_size)  # for decode's cache too
         if prefix is not None:
-            hashes = block_hashes(prompt, self.instance.block_size)
             hit = prefix.match(hashes, num_tokens - 1, rid)
         try:
             cache = self.instance.admission.allocate(rid, num_tokens, prefix_blocks=hit.block_ids)
@@ -129,7 +129,7 @@ class PrefillWorker:
                 ranks.call(Snapshot(rid, "prefill", blocks, slot, num_tokens))
             return self.store.publish(
                 rid, list(blocks), slot, num_tokens, first.token, first_logprob=first.logprob,
-                cached_tokens=hit.num_tokens,
+                cached_tokens=hit.num_tokens, block_hashes=hashes,
             )  # fmt: skip
         except BaseException:
             self._free(rid, slot)

@@ -93,8 +93,14 @@ def _scatter(plan: TransferPlan) -> Copies:
     return Copies(src[order], dst[order], nbytes[order])
 
 
-def plan_direct(prefill: Sequence[Layout], decode: Sequence[Layout], request: TransferRequest):
-    return reads_of(plan_transfer(prefill, decode, request, StagingPolicy(enabled=False)))
+def plan_direct(
+    prefill: Sequence[Layout],
+    decode: Sequence[Layout],
+    request: TransferRequest,
+    tokens: tuple[int, int] | None = None,
+) -> Reads:
+    policy = StagingPolicy(enabled=False)
+    return reads_of(plan_transfer(prefill, decode, request, policy, tokens=tokens))
 
 
 def _room(layouts: Sequence[Layout]) -> StagingWindow | None:
@@ -113,23 +119,26 @@ def plan_reads(
     stager: Stager | None = None,
     pool: StagingPool | None = None,
     min_small_ranges: int = 8,
+    reused_tokens: int = 0,
 ) -> Reads:
     """Per decode rank, the READs that pull `request`'s cache. With a `stager` (the prefill
     instance's client) and a `pool` (this instance's staging), many small ranges from a
     prefill rank are packed and cross as one READ; the decode extent stays held by
-    `request_id` in `pool` until the caller frees it."""
+    `request_id` in `pool` until the caller frees it. The KV of the first `reused_tokens`
+    (blocks the decode side already holds) is not read; the state always is."""
+    part = {"tokens": (reused_tokens, request.num_tokens)} if reused_tokens else {}
     p_room, d_room = _room(prefill), _room(decode)
     if stager is None or pool is None or p_room is None or d_room is None:
-        return plan_direct(prefill, decode, request)
+        return plan_direct(prefill, decode, request, **part)
     policy = StagingPolicy(min_small_ranges=min_small_ranges)
     d_free = StagingWindow(d_room.offset, min(d_room.nbytes, pool.largest_free_bytes))
-    plans = plan_transfer(prefill, decode, request, policy, p_room, d_free)
+    plans = plan_transfer(prefill, decode, request, policy, p_room, d_free, **part)
     p_bytes, d_bytes = staging_extents(plans)
     if not p_bytes:
         return reads_of(plans)
     d_offset = pool.allocate(request_id, d_bytes)
     if d_offset is None:
-        return plan_direct(prefill, decode, request)
+        return plan_direct(prefill, decode, request, **part)
     try:
         gathers = prefill_gathers(plans, len(prefill))
         stage = StageRequest(
@@ -143,13 +152,13 @@ def plan_reads(
         if exc.code not in STAGING_REFUSED:
             raise
         logger.info("staging %r refused (%s): reading directly", request_id, exc)
-        return plan_direct(prefill, decode, request)
+        return plan_direct(prefill, decode, request, **part)
     except BaseException:
         pool.free(request_id)
         raise
     try:
         windows = StagingWindow(p_offset, p_bytes), StagingWindow(d_offset, d_bytes)
-        plans = plan_transfer(prefill, decode, request, policy, *windows)
+        plans = plan_transfer(prefill, decode, request, policy, *windows, **part)
         for staged, planned in zip(gathers, prefill_gathers(plans, len(prefill)), strict=True):
             if not (
                 np.array_equal(staged.src, planned.src)

@@ -244,7 +244,8 @@ def instance_config(options: ServeOptions):
         max_num_batched_tokens=options.max_num_batched_tokens,
         staging_bytes=_staging_bytes(options.staging_mib),
         staging_min_ranges=options.staging_min_ranges,
-        state_checkpoints=_state_checkpoints(options),
+        prefix_cache=options.prefix_cache,
+        state_checkpoints=options.state_checkpoints,
         checkpoint_interval=options.checkpoint_interval,
         min_block_size=options.block_size,
         seed=options.seed,
@@ -254,16 +255,6 @@ def instance_config(options: ServeOptions):
         dist_addr=options.dist_addr,
         net_device=interface_of(options.data_host or options.host),
     )
-
-
-def _state_checkpoints(options: ServeOptions) -> int:
-    if not options.prefix_cache or options.role != "prefill":
-        return 0
-    if options.state_checkpoints < 1:
-        raise ValueError(
-            f"--state-checkpoints must be >= 1 with --prefix-cache, got {options.state_checkpoints}"
-        )
-    return options.state_checkpoints
 
 
 def _staging_bytes(mib: int) -> int:

@@ -52,6 +52,7 @@ class Outcome:
     text: str
     logprobs: list[float]
     finish_reason: str
+    cached_tokens: int = 0  # prompt tokens the prefill side found in its prefix cache
 
 
 _DONE = object()
@@ -142,6 +143,7 @@ class Handler:
                     self.metrics.itl.observe(now - last)
                 else:
                     self.metrics.ttft.observe(now - start)
+                    out.cached_tokens = getattr(event, "cached_prompt_tokens", 0)
                 last = now
                 if event.token in self.model.eos_token_ids:
                     out.finish_reason = "stop"
@@ -175,11 +177,12 @@ def _sse(payload: dict | str) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
-def _usage(prompt: int, completion: int) -> dict:
+def _usage(prompt: int, completion: int, cached: int = 0) -> dict:
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
     }
 
 
@@ -279,7 +282,7 @@ def build_app(
         if body.stream:
 
             async def run(put) -> None:
-                completion_tokens = 0
+                completion_tokens = cached = 0
                 for index, ids in enumerate(prompts):
 
                     async def emit(text, token, logprob, index=index):
@@ -287,18 +290,20 @@ def build_app(
 
                     out = await handler.run(ids, body.sampling, emit)
                     completion_tokens += len(out.ids)
+                    cached += out.cached_tokens
                     await put(chunk(index, "", out.finish_reason))
                 if body.include_usage:
-                    usage = _usage(sum(map(len, prompts)), completion_tokens)
+                    usage = _usage(sum(map(len, prompts)), completion_tokens, cached)
                     await put({"id": cid, "object": "text_completion", "created": created,
                                "model": model.name, "choices": [], "usage": usage})  # fmt: skip
 
             return _stream(run)
 
-        choices, completion_tokens = [], 0
+        choices, completion_tokens, cached = [], 0, 0
         for index, ids in enumerate(prompts):
             out = await _guarded(handler.run(ids, body.sampling, None))
             completion_tokens += len(out.ids)
+            cached += out.cached_tokens
             choice = {"index": index, "text": out.text, "finish_reason": out.finish_reason,
                       "logprobs": None, "token_ids": out.ids}  # fmt: skip
             if body.sampling.logprobs is not None:
@@ -309,7 +314,7 @@ def build_app(
             choices.append(choice)
         return {"id": cid, "object": "text_completion", "created": created, "model": model.name,
                 "choices": choices,
-                "usage": _usage(sum(map(len, prompts)), completion_tokens)}  # fmt: skip
+                "usage": _usage(sum(map(len, prompts)), completion_tokens, cached)}  # fmt: skip
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -346,7 +351,7 @@ def build_app(
                 if body.include_usage:
                     await put({"id": cid, "object": "chat.completion.chunk", "created": created,
                                "model": model.name, "choices": [],
-                               "usage": _usage(len(ids), len(out.ids))})  # fmt: skip
+                               "usage": _usage(len(ids), len(out.ids), out.cached_tokens)})  # fmt: skip
 
             return _stream(run)
 
@@ -361,7 +366,7 @@ def build_app(
                 ]
             }
         return {"id": cid, "object": "chat.completion", "created": created, "model": model.name,
-                "choices": [choice], "usage": _usage(len(ids), len(out.ids))}  # fmt: skip
+                "choices": [choice], "usage": _usage(len(ids), len(out.ids), out.cached_tokens)}  # fmt: skip
 
     return app
 
