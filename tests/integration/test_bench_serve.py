@@ -42,3 +42,24 @@ def test_bad_flags_are_named(flag, value):
     result = bench(flag, value)
     assert result.returncode == 2
     assert flag in result.stderr
+
+
+@pytest.mark.slow
+def test_multiturn_conversations_resend_their_turns_and_hit_both_caches():
+    # 2 conversations of 3 turns; a turn resends the last prompt, its 4 answer tokens and
+    # 20 new ones: 200 + 224 + 248 prompt tokens each. Blocks are 128 tokens here, so every
+    # later turn restores the checkpoint at 128 and decode holds that block already.
+    result = bench(
+        "--concurrency", "2", "--requests", "6", "--workload", "multiturn", "--turns", "3",
+        "--prompt-len", "200", "--system-len", "160", "--turn-len", "20", "--max-tokens", "4",
+        "--prefix-cache", "--checkpoint-interval", "128", "--json",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    assert (report["workload"], report["prefix_cache"]) == ("multiturn", True)
+    (r,) = report["results"]
+    assert (r["requests"], r["failed"], r["output_tokens"]) == (6, 0, 6 * 4)
+    assert r["prompt_tokens"] == 2 * (200 + 224 + 248)
+    assert r["cached_prompt_tokens"] >= 4 * 128
+    assert r["reused_decode_tokens"] >= 4 * 128
+    assert len(r["output_digest"]) == 64

@@ -33,7 +33,44 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--requests", type=int, default=64, help="requests per concurrency (default 64)"
     )
-    parser.add_argument("--prompt-len", type=int, default=64, help="prompt tokens (default 64)")
+    parser.add_argument(
+        "--prompt-len",
+        type=int,
+        default=64,
+        help="prompt tokens; with --workload multiturn, the first turn's (default 64)",
+    )
+    parser.add_argument(
+        "--workload",
+        choices=["single", "multiturn"],
+        default="single",
+        help="single: independent random prompts; multiturn: conversations of --turns turns "
+        "that all start with the same --system-len tokens, each turn resending the last one "
+        "and its answer plus --turn-len new tokens (--requests counts turns; default single)",
+    )
+    parser.add_argument("--turns", type=int, default=4, help="multiturn: turns (default 4)")
+    parser.add_argument(
+        "--system-len",
+        type=int,
+        default=48,
+        help="multiturn: the shared system prompt's tokens, part of --prompt-len (default 48)",
+    )
+    parser.add_argument(
+        "--turn-len",
+        type=int,
+        default=16,
+        help="multiturn: tokens each later turn adds (default 16)",
+    )
+    parser.add_argument(
+        "--prefix-cache",
+        action="store_true",
+        help="run both instances with their prefix caches (serve --prefix-cache)",
+    )
+    parser.add_argument(
+        "--checkpoint-interval",
+        type=int,
+        default=0,
+        help="with --prefix-cache: prefill checkpoints every this many tokens (default 0)",
+    )
     parser.add_argument(
         "--max-tokens", type=int, default=32, help="tokens per request (default 32)"
     )
@@ -82,23 +119,23 @@ def run(args: argparse.Namespace) -> int:
     from transfer.serving.local import LocalPair, LocalPairConfig
 
     levels = _concurrencies(args.concurrency)
-    for name in ("requests", "prompt_len", "max_tokens", "max_num_batched_tokens"):
+    for name in ("requests", "prompt_len", "max_tokens", "max_num_batched_tokens", "turns",
+                 "turn_len"):  # fmt: skip
         if getattr(args, name) < 1:
             raise InvalidInput(
                 f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}"
             )
+    if args.workload == "multiturn" and not 0 <= args.system_len <= args.prompt_len:
+        raise InvalidInput(f"--system-len must be in [0, --prompt-len], got {args.system_len}")
     geometry = load_geometry(args.model)
-    rng = random.Random(f"pdxfer-bench-serve:{args.seed}")
-    prompts = [
-        [rng.randrange(geometry.vocab_size) for _ in range(args.prompt_len)]
-        for _ in range(args.requests)
-    ]
+    conversations = _conversations(args, geometry.vocab_size)
     max_seqs = args.max_num_seqs or max(levels)
     run_dir = Path(tempfile.mkdtemp(prefix="pdxfer-bench-serve-"))
     config = LocalPairConfig(
         args.model, args.prefill_tp, args.decode_tp, args.ssm_dtype, args.transport,
         args.gpu_mem, "cpu", max_seqs, seed=args.seed, timeout_s=args.timeout,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        prefix_cache=args.prefix_cache, checkpoint_interval=args.checkpoint_interval,
     )  # fmt: skip
     pair = LocalPair(config, run_dir)
     results = []
@@ -108,7 +145,9 @@ def run(args: argparse.Namespace) -> int:
         pair.start_workers()
         address = pair.start_router()
         for level in levels:
-            result = run_load(address, pair.token, prompts, args.max_tokens, level, args.timeout)
+            result = run_load(
+                address, pair.token, conversations, args.max_tokens, level, args.timeout
+            )
             print(f"bench serve: concurrency {level}: {result.output_tokens_per_s:.1f} tok/s, "
                   f"ttft p50 {result.ttft_ms['p50']:.0f} ms, itl p50 {result.itl_ms['p50']:.1f} ms, "
                   f"{result.failed} failed", file=sys.stderr)  # fmt: skip
@@ -124,6 +163,8 @@ def run(args: argparse.Namespace) -> int:
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "prompt_len": args.prompt_len,
         "max_tokens": args.max_tokens,
+        "workload": args.workload,
+        "prefix_cache": args.prefix_cache,
         "results": results,
     }
     if args.plot:
@@ -138,6 +179,24 @@ def run(args: argparse.Namespace) -> int:
                   f"{r['ttft_ms']['p99']:>9.1f} {r['itl_ms']['p50']:>8.1f} {r['e2e_ms']['p50']:>8.1f} "
                   f"{r['transfer_ms']['p50']:>8.2f} {r['failed']:>6}")  # fmt: skip
     return 0 if all(r["failed"] == 0 for r in results) else 1
+
+
+def _conversations(args: argparse.Namespace, vocab: int) -> list[list[list[int]]]:
+    """Each conversation's first prompt, then each later turn's new tokens."""
+    rng = random.Random(f"pdxfer-bench-serve:{args.seed}")
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(vocab) for _ in range(n)]
+
+    if args.workload == "single":
+        return [[tokens(args.prompt_len)] for _ in range(args.requests)]
+    system = tokens(args.system_len)
+    count = -(-args.requests // args.turns)
+    return [
+        [system + tokens(args.prompt_len - args.system_len)]
+        + [tokens(args.turn_len) for _ in range(args.turns - 1)]
+        for _ in range(count)
+    ]
 
 
 def _plot(results: list[dict], path: str, title: str) -> None:
