@@ -16,7 +16,7 @@ from tests.support.ucx_env import pristine_ucx_env
 from tests.support.worker_sides import Side, one_thread, prompt  # noqa: F401 (fixture)
 from transfer.control.client import ClientOptions
 from transfer.control.server import serve
-from transfer.control.types import DecodeRequest, PrefillRequest
+from transfer.control.types import DecodeRequest, GenerateRequest, PrefillRequest
 from transfer.model.reference import reference_generate
 from transfer.net import free_port
 from transfer.presets import get_preset
@@ -24,6 +24,7 @@ from transfer.serving.checkpoints import checkpoint_alignment
 from transfer.serving.decode import DecodeWorker
 from transfer.serving.instance import Instance, InstanceConfig
 from transfer.serving.prefill import PrefillWorker
+from transfer.serving.router import Router
 from transfer.serving.verify import check_request, load_side
 
 pytestmark = pytest.mark.slow
@@ -57,7 +58,8 @@ def start_decode(model: str, tp: int, dump_dir: Path, cached: bool, name: str, p
     worker = DecodeWorker(
         instance, name, ClientOptions(timeout_s=60.0), known_prefill=[p.address for p in prefills]
     )
-    return Side(instance, worker, serve(address, decode=worker.decode), address)
+    server = serve(address, decode=worker.decode, register_prefill=worker.register_prefill)
+    return Side(instance, worker, server, address)
 
 
 # (model, prefill TP, decode TP): both architectures at P=D=1, and each across TP degrees,
@@ -182,3 +184,31 @@ def test_an_evicted_prefix_misses_cleanly(sides):
     assert got == reference_generate(get_preset(model), again, MAX_TOKENS)
     assert_idle(cached)
     assert_idle(decode)
+
+
+def test_the_router_sends_a_later_turn_where_its_prefix_is_cached(sides):
+    model, cached, plain, decode, _, _ = sides
+    align = checkpoint_alignment(cached.instance.block_size)
+    router = Router(
+        [cached.address, plain.address], [decode.address], ClientOptions(timeout_s=60.0)
+    )
+
+    def first_event(rid: str, ids: list[int]):
+        events = list(router.generate(GenerateRequest(rid, tuple(ids), MAX_TOKENS)))
+        assert [e.token for e in events] == reference_generate(get_preset(model), ids, MAX_TOKENS)
+        return events[0]
+
+    a, b = prompt(11, align + 5), prompt(12, align + 5)
+    try:
+        first_event("a-1", a)  # in turn: the cached instance
+        first_event("b-1", b)  # in turn: the plain one
+        # In turn order, b's next turn would now go to the cached instance and a's to the
+        # plain one; each goes back where its first turn's blocks are instead.
+        later_b = first_event("b-2", b + prompt(13, 7))
+        later_a = first_event("a-2", a + prompt(14, 7))
+    finally:
+        router.close()
+    assert later_a.cached_prompt_tokens == align
+    assert later_b.cached_prompt_tokens == 0
+    for side in (cached, plain, decode):
+        assert_idle(side)

@@ -1,7 +1,10 @@
 """The front door: `Generate` = Prefill on one prefill instance, then Decode on a decode instance.
 
-A prefill that fails for a reason another instance might not share (unreachable, deadline,
-internal error, pool full) is retried on the next instance; bad input is not. A request
+Each request goes to the prefill and the decode instance that hold the longest cached
+prefix of its prompt (`prefix_routes`), among those not much busier than the rest; without
+such a hint, in turn. A prefill that fails for a reason another instance might not share
+(unreachable, deadline, internal error, pool full) is retried on the next instance; bad
+input is not. A request
 the router drops after prefill is Aborted at its prefill instance, so the cache is freed
 at once rather than when the lease runs out.
 """
@@ -19,6 +22,7 @@ from dataclasses import replace
 
 from prometheus_client import CollectorRegistry, Counter
 
+from transfer.cache.prefix_cache import block_hashes
 from transfer.control.client import ClientOptions, DecodeClient, PrefillClient, TransferClient
 from transfer.control.errors import ControlError
 from transfer.control.types import (
@@ -29,6 +33,7 @@ from transfer.control.types import (
     Ticket,
     TokenEvent,
 )
+from transfer.serving.prefix_routes import PrefixRoutes, learn_block_size
 
 logger = logging.getLogger(__name__)
 
@@ -152,6 +157,8 @@ class Router:
         self.metrics = metrics or RouterMetrics()
         self._prefill = _Pool(prefill, lambda t, a: PrefillClient(t, **self._kwargs(a)))
         self._decode = _Pool(decode, lambda t, a: DecodeClient(t, **self._kwargs(a)))
+        self._routes = {"prefill": PrefixRoutes(), "decode": PrefixRoutes()}
+        self._block_size = 0  # learned from the first ticket whose hashes say it
         self._transfer_lock = threading.Lock()
         self._transfer_clients: dict[str, TransferClient] = {}
         self._registered: set[tuple[str, str]] = set()  # (decode target, prefill address)
@@ -224,9 +231,16 @@ class Router:
             request.request_id, request.prompt_ids, request.max_tokens, request.sampling
         )
         last: ControlError | None = None
-        for target, client in self._prefill.order():
+        routes = self._routes["prefill"]
+        size = self._block_size
+        hashes = block_hashes(request.prompt_ids, size) if size else ()
+        for target, client in _ordered(self._prefill.order(), routes, hashes):
+            routes.started(target)
             try:
-                return client.prefill(prefill), target
+                ticket = client.prefill(prefill)
+                self._learn(request.prompt_ids, ticket)
+                routes.record(target, ticket.block_hashes)
+                return ticket, target
             except ControlError as exc:
                 if exc.code not in RETRY_CODES:
                     raise  # the caller's input, or a limit it can never fit: no retry helps
@@ -240,6 +254,8 @@ class Router:
                 self.metrics.prefill_retries.inc()
                 if exc.code != "RESOURCE_EXHAUSTED":
                     self._prefill.forget()
+            finally:
+                routes.finished(target)
         if last is None:
             raise ControlError("UNAVAILABLE", "no prefill instance resolved")
         raise last  # every instance failed: the last one's code (RESOURCE_EXHAUSTED if all full)
@@ -247,17 +263,26 @@ class Router:
     def _run_decode(
         self, ticket, max_tokens: int, sampling: SamplingParams
     ) -> Iterator[TokenEvent]:
-        targets = self._decode.order()
+        routes = self._routes["decode"]
+        targets = _ordered(self._decode.order(), routes, ticket.block_hashes)
         if not targets:
             raise ControlError("UNAVAILABLE", "no decode instance resolved")
         target, client = targets[0]
         self._register(target, client, ticket.address)
+        routes.started(target)
         try:
             yield from client.decode(DecodeRequest(ticket, max_tokens, sampling))
+            routes.record(target, ticket.block_hashes)
         except ControlError:
             with self._transfer_lock:  # it may have restarted and forgotten: register again
                 self._registered.discard((target, ticket.address))
             raise
+        finally:
+            routes.finished(target)
+
+    def _learn(self, prompt: Sequence[int], ticket: Ticket) -> None:
+        if not self._block_size:
+            self._block_size = learn_block_size(prompt, ticket.block_hashes, len(ticket.block_ids))
 
     def _register(self, target: str, client: DecodeClient, prefill_address: str) -> None:
         """Vouch for a prefill instance this router called, once per decode instance: a
@@ -292,6 +317,12 @@ class Router:
             for client in self._transfer_clients.values():
                 client.close()
             self._transfer_clients.clear()
+
+
+def _ordered(targets: list[tuple[str, object]], routes: PrefixRoutes, hashes) -> list:
+    """`targets` ((target, client) in turn order) reordered by `routes` for `hashes`."""
+    clients = dict(targets)
+    return [(t, clients[t]) for t in routes.order([t for t, _ in targets], hashes)]
 
 
 def _any_serving(pool: _Pool) -> bool:
