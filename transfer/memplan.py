@@ -155,7 +155,8 @@ def plan_memory(
     kv_page = chosen * kv_per_token
     page = max(kv_page, state_page)
 
-    num_slots = max_num_seqs * (1 + spec_tokens) + checkpoint_slots * (state_pages_per_slot > 0)
+    checkpoints = checkpoint_slots if state_pages_per_slot else 0  # no state: nothing to save
+    num_slots = max_num_seqs * (1 + spec_tokens) + checkpoints
     state_reserved = num_slots * state_pages_per_slot * page
     block_bytes = kv_pages_per_block * page
     needed = state_reserved + block_bytes
@@ -183,5 +184,5 @@ def plan_memory(
         num_kv_blocks=num_blocks,
         num_state_slots=num_slots,
         padding_bytes=padding,
-        num_checkpoint_slots=checkpoint_slots * (state_pages_per_slot > 0),
+        num_checkpoint_slots=checkpoints,
     )

@@ -93,6 +93,14 @@ def generate(prefill: Side, decode: Side, rid: str, ids: list[int]):
     return ticket, [e.token for e in events], events[0]
 
 
+def cached_tokens_of(model: str, prefill: Side, decode: Side, rid: str, ids: list[int]) -> int:
+    """Serve `ids`, check its tokens against the colocated reference, and return how many
+    of its prompt tokens prefill found cached."""
+    ticket, got, _ = generate(prefill, decode, rid, ids)
+    assert got == reference_generate(get_preset(model), ids, MAX_TOKENS)
+    return ticket.cached_tokens
+
+
 def assert_idle(side: Side) -> None:
     """Every block is free or the cache's; every request slot is free; no ticket lives."""
     pools, prefix = side.instance.pools, side.instance.prefix
@@ -159,13 +167,10 @@ def test_a_prompt_diverging_inside_the_cached_prefix_hits_up_to_its_checkpoint(s
     base = prompt(3, 3 * align)
     generate(cached, decode, "base", base)  # checkpoint at 3 * align only
     diverged = base[: 2 * align] + prompt(4, align)
-    ticket, got, _ = generate(cached, decode, "diverged", diverged)
-    assert ticket.cached_tokens == 0  # no checkpoint at 2 * align: recomputed whole
-    assert got == reference_generate(get_preset(model), diverged, MAX_TOKENS)
-    same = base + prompt(5, 3)
-    ticket, got, _ = generate(cached, decode, "extended", same)
-    assert ticket.cached_tokens == 3 * align
-    assert got == reference_generate(get_preset(model), same, MAX_TOKENS)
+    # no checkpoint at 2 * align: recomputed whole
+    assert cached_tokens_of(model, cached, decode, "diverged", diverged) == 0
+    extended = base + prompt(5, 3)
+    assert cached_tokens_of(model, cached, decode, "extended", extended) == 3 * align
     assert_idle(cached)
     assert_idle(decode)
 
@@ -179,9 +184,7 @@ def test_an_evicted_prefix_misses_cleanly(sides):
     assert prefix.evict(cached.instance.pools.blocks.num_total) > 0
     assert prefix.stats().cached_blocks == 0
     again = base + prompt(7, 9)
-    ticket, got, _ = generate(cached, decode, "after-evict", again)
-    assert ticket.cached_tokens == 0
-    assert got == reference_generate(get_preset(model), again, MAX_TOKENS)
+    assert cached_tokens_of(model, cached, decode, "after-evict", again) == 0
     assert_idle(cached)
     assert_idle(decode)
 

@@ -30,7 +30,6 @@ class _Request:
     gaps_s: list[float] = field(default_factory=list)
     e2e_s: float = 0.0
     transfer_ms: float = 0.0
-    tokens: int = 0
     error: str = ""
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0
@@ -38,6 +37,10 @@ class _Request:
     kv_bytes: int = 0
     state_bytes: int = 0
     generated: list[int] = field(default_factory=list)
+
+    @property
+    def tokens(self) -> int:
+        return len(self.generated)
 
 
 @dataclass(frozen=True)
@@ -103,11 +106,11 @@ def run_load(
         while True:
             start = last = time.perf_counter()
             out.gaps_s.clear()
-            out.tokens, generated = 0, []
+            out.generated = []
             try:
                 for event in client.generate(request):
                     now = time.perf_counter()
-                    if out.tokens == 0:
+                    if not out.generated:
                         out.ttft_s, out.transfer_ms = now - start, event.transfer_ms
                         out.kv_bytes, out.state_bytes = event.kv_bytes, event.state_bytes
                         out.cached_prompt_tokens = event.cached_prompt_tokens
@@ -115,11 +118,9 @@ def run_load(
                     else:
                         out.gaps_s.append(now - last)
                     last = now
-                    out.tokens += 1
-                    generated.append(event.token)
+                    out.generated.append(event.token)
                 out.e2e_s = time.perf_counter() - start
-                out.generated = generated
-                return generated
+                return out.generated
             except ControlError as exc:
                 if exc.code != "RESOURCE_EXHAUSTED" or time.monotonic() > deadline:
                     out.error = str(exc)

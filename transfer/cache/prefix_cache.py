@@ -229,6 +229,13 @@ class PrefixCache:
             del self._reserved[slot]
             self._free_slots.append(slot)
 
+    def insert_prompt(
+        self, hashes: Sequence[bytes], block_ids: Sequence[int], held: int = 0
+    ) -> int:
+        """Register a prompt's full blocks after the first `held` (those came from the cache):
+        `hashes` [one per full block], `block_ids` the request's block table."""
+        return self.insert(list(zip(hashes[held:], block_ids[held : len(hashes)], strict=True)))
+
     def insert(self, hashed_blocks: Sequence[tuple[bytes, int]]) -> int:
         """Register filled full blocks `(hash, block id)`, in chain order, that a request holds.
 

@@ -11,7 +11,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from transfer.cli.model_args import add_served_model_arguments
+from transfer.cli.model_args import (
+    add_local_prefix_cache_arguments,
+    add_served_model_arguments,
+)
 from transfer.errors import InvalidInput
 
 
@@ -60,17 +63,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=16,
         help="multiturn: tokens each later turn adds (default 16)",
     )
-    parser.add_argument(
-        "--prefix-cache",
-        action="store_true",
-        help="run both instances with their prefix caches (serve --prefix-cache)",
-    )
-    parser.add_argument(
-        "--checkpoint-interval",
-        type=int,
-        default=0,
-        help="with --prefix-cache: prefill checkpoints every this many tokens (default 0)",
-    )
+    add_local_prefix_cache_arguments(parser)
     parser.add_argument(
         "--max-tokens", type=int, default=32, help="tokens per request (default 32)"
     )

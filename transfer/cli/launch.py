@@ -21,7 +21,10 @@ from pathlib import Path
 from transfer.cli.launch_config import LaunchConfig
 from transfer.cli.launch_report import format_table, summarize
 from transfer.cli.launch_run import Progress, References, send_all, verify_outcomes
-from transfer.cli.model_args import add_served_model_arguments
+from transfer.cli.model_args import (
+    add_local_prefix_cache_arguments,
+    add_served_model_arguments,
+)
 from transfer.errors import InvalidInput
 
 
@@ -70,19 +73,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=8,
         help="each worker's staging pool per rank; 0 reads every range directly (default 8)",
     )
-    parser.add_argument(
-        "--prefix-cache",
-        action="store_true",
-        help="run the prefill instance with its prefix cache (serve --prefix-cache)",
-    )
-    parser.add_argument(
-        "--checkpoint-interval",
-        type=int,
-        default=0,
-        metavar="TOKENS",
-        help="with --prefix-cache: also checkpoint every TOKENS prompt tokens (serve's flag; "
-        "default 0, prompt ends only)",
-    )
+    add_local_prefix_cache_arguments(parser)
     parser.add_argument(
         "--shared-prefix",
         type=int,

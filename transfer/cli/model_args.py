@@ -1,4 +1,5 @@
-"""--model and --ssm-dtype for the commands that run a model (serve, launch, up)."""
+"""--model and --ssm-dtype for the commands that run a model (serve, launch, up), and the
+prefix-cache flags of the commands that start a local pair (launch, bench serve)."""
 
 from __future__ import annotations
 
@@ -31,4 +32,20 @@ def add_served_model_arguments(parser: argparse.ArgumentParser, default_model: s
         default="auto",
         help="dtype of the cached recurrent state; auto (default): the config's "
         "mamba_ssm_dtype if it has one, else the model's dtype",
+    )
+
+
+def add_local_prefix_cache_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--prefix-cache",
+        action="store_true",
+        help="run both instances with their prefix caches (serve --prefix-cache)",
+    )
+    parser.add_argument(
+        "--checkpoint-interval",
+        type=int,
+        default=0,
+        metavar="TOKENS",
+        help="with --prefix-cache: also checkpoint every TOKENS prompt tokens (serve's flag; "
+        "default 0, prompt ends only)",
     )

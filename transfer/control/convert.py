@@ -55,7 +55,7 @@ def ticket_from_pb(m: transfer_pb2.Ticket, prefix: str = "") -> Ticket:
     if m.num_tokens < 1:
         raise InvalidInput(f"{prefix}num_tokens: must be >= 1, got {m.num_tokens}")
     _non_negative(m.first_token, f"{prefix}first_token")
-    if not 0 <= m.cached_tokens < max(m.num_tokens, 1):
+    if not 0 <= m.cached_tokens < m.num_tokens:
         raise InvalidInput(
             f"{prefix}cached_tokens: must be in [0, num_tokens), got {m.cached_tokens}"
         )

@@ -87,15 +87,12 @@ class SlotTable:
             raise CacheFillingError(f"slot {slot} is being filled by a transfer")
 
     def _check_free(self, slot: int, action: str) -> None:
-        phase = self.phase(slot)
-        if phase is SlotPhase.FILLING:
-            raise CacheFillingError(f"slot {slot} is being filled by a transfer")
-        if phase is not SlotPhase.FREE:
+        self.check_not_filling(slot)
+        if self.phases[slot] is not SlotPhase.FREE:
             raise ValueError(f"{action}: slot {slot} holds a live request; release it first")
 
     def _check_not_filling(self, slot: int, block_ids: Iterable[int]) -> None:
-        if self.phase(slot) is SlotPhase.FILLING:
-            raise CacheFillingError(f"slot {slot} is being filled by a transfer")
+        self.check_not_filling(slot)
         busy = self._busy_blocks(frozenset(block_ids), except_slot=None)
         if busy:
             raise CacheFillingError(f"block_ids {sorted(busy)} are being filled by a transfer")

@@ -212,11 +212,7 @@ class DecodeWorker:
             transfer_s = self._transfer(peer, ticket, reads, new_blocks, slot)
             self.instance.staging.free(rid)  # every READ landed and was unpacked
             if prefix is not None:
-                full = len(ticket.block_hashes)
-                pairs = zip(
-                    ticket.block_hashes[len(held) :], prompt_blocks[len(held) : full], strict=True
-                )
-                prefix.insert(list(pairs))
+                prefix.insert_prompt(ticket.block_hashes, prompt_blocks, len(held))
             if self.instance.config.dump_dir:
                 ranks.call(Snapshot(rid, "decode", blocks, slot, ticket.num_tokens))
             peer.client.release(rid, self.instance_id, ticket.block_ids, ticket.slot_id)

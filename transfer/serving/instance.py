@@ -210,10 +210,10 @@ class Instance:
     def _prefix_cache(self) -> PrefixCache | None:
         if not self.config.prefix_cache:
             return None
-        if self.config.checkpoint_interval % checkpoint_alignment(self.plan.block_size):
+        align = checkpoint_alignment(self.plan.block_size)
+        if self.config.role == "prefill" and self.config.checkpoint_interval % align:
             raise InvalidInput(
-                f"checkpoint_interval: must be a multiple of "
-                f"{checkpoint_alignment(self.plan.block_size)} tokens (blocks of "
+                f"checkpoint_interval: must be a multiple of {align} tokens (blocks of "
                 f"{self.plan.block_size}, scan chunks of {SCAN_CHUNK_ALIGN})"
             )
         prefix = PrefixCache(self.pools.blocks, self.plan.block_size, self.plan.checkpoint_slot_ids)

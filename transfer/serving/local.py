@@ -37,8 +37,8 @@ class LocalPairConfig:
     metrics: bool = False  # serve /metrics on each worker (a free port each)
     max_num_batched_tokens: int = 2048
     staging_mib: int = 8
-    prefix_cache: bool = False  # the prefill instance's prefix cache (--prefix-cache)
-    checkpoint_interval: int = 0
+    prefix_cache: bool = False  # both instances' prefix caches (--prefix-cache)
+    checkpoint_interval: int = 0  # the prefill instance's (--checkpoint-interval)
 
 
 class LocalPair:

@@ -123,8 +123,7 @@ class PrefillWorker:
                 checkpoints=stops,
             )  # fmt: skip
             if prefix is not None:
-                cached = len(hit.block_ids)
-                prefix.insert(list(zip(hashes[cached:], blocks[cached : len(hashes)], strict=True)))
+                prefix.insert_prompt(hashes, blocks, len(hit.block_ids))
             if self.instance.config.dump_dir:
                 ranks.call(Snapshot(rid, "prefill", blocks, slot, num_tokens))
             return self.store.publish(

@@ -34,11 +34,10 @@ def attend(
     k: torch.Tensor,
     v: torch.Tensor,
     q_pos: torch.Tensor,
-    k_pos: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
     """Causal softmax attention of one sequence's chunk; q [Tq,H,D] at positions q_pos (one
-    run), k [Tk,HK,D] and v [Tk,HK,Dv] at positions k_pos = 0..Tk-1 -> [Tq,H,Dv].
+    run), k [Tk,HK,D] and v [Tk,HK,Dv] at positions 0..Tk-1 -> [Tq,H,Dv].
 
     H is a multiple of HK: query head h reads key head h // (H // HK). Queries run in tiles
     of `ATTENTION_TILE` positions counted from 0, and each tile reduces over exactly the

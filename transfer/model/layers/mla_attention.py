@@ -62,9 +62,9 @@ class KimiMLA:
         o = q.new_empty(T, q.shape[1], self.v_dim)
         for i in range(batch.num_sequences):
             span = batch.span(i)
-            keys, key_pos = sequence_keys(batch, i, cache, entries)
+            keys = sequence_keys(batch, i, cache, entries)
             k, v = self._keys_values(keys)
-            o[span] = attend(q[span], k, v, batch.positions[span], key_pos, self.scale)
+            o[span] = attend(q[span], k, v, batch.positions[span], self.scale)
         return o.reshape(T, -1) @ self.o_proj.T
 
     def _keys_values(self, entries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -96,16 +96,15 @@ def write_kv(batch: Batch, cache: torch.Tensor, rows: torch.Tensor) -> None:
 
 def sequence_keys(
     batch: Batch, i: int, cache: torch.Tensor | None, rows: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(keys [L, ...], their positions [L]) sequence i attends over: its new rows (of all
-    T) when it has no context, else its first context + new rows read back from its blocks
-    (written by `write_kv` first)."""
+) -> torch.Tensor:
+    """Keys [L, ...] of positions 0..L-1 that sequence i attends over: its new rows (of all
+    T) when it has no context (always so without caches), else its context + new rows read
+    back from its blocks (written by `write_kv` first)."""
     sequence, span = batch.sequences[i], batch.span(i)
     if sequence.context_len == 0 or cache is None:
-        return rows[span], batch.positions[span]
+        return rows[span]
     length = sequence.context_len + len(sequence.tokens)
-    keys = paged_read(cache, batch.block_tables[i], length)
-    return keys, torch.arange(length, device=rows.device)
+    return paged_read(cache, batch.block_tables[i], length)
 
 
 def decode_attention(
@@ -155,7 +154,7 @@ def paged_attention(
         if batched and not sequence.prefill:
             continue
         span = batch.span(i)
-        keys, key_pos = sequence_keys(batch, i, k_cache, k)
-        values, _ = sequence_keys(batch, i, v_cache, v)
-        o[span] = attend(q[span], keys, values, batch.positions[span], key_pos, scale)
+        keys = sequence_keys(batch, i, k_cache, k)
+        values = sequence_keys(batch, i, v_cache, v)
+        o[span] = attend(q[span], keys, values, batch.positions[span], scale)
     return o
