@@ -21,23 +21,26 @@ def test_reports_every_concurrency_with_the_documented_keys(tmp_path):
     plot = tmp_path / "serve.png"
     result = bench(
         "--concurrency", "1,3", "--requests", "6", "--prompt-len", "20", "--max-tokens", "5",
-        "--json", "--plot", str(plot),
+        "--transfer-mode", "layerwise", "--stream-layers", "2", "--json", "--plot", str(plot),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout)
+    assert report["transfer_mode"] == "layerwise"  # three streams at once at concurrency 3
     assert [r["concurrency"] for r in report["results"]] == [1, 3]
     for r in report["results"]:
         assert r["failed"] == 0
         assert r["output_tokens"] == 6 * 5
         assert r["output_tokens_per_s"] == pytest.approx(r["output_tokens"] / r["wall_s"], rel=0.01)
-        for key in ("ttft_ms", "itl_ms", "e2e_ms", "transfer_ms"):
+        for key in ("ttft_ms", "itl_ms", "e2e_ms", "transfer_ms", "exposed_transfer_ms"):
             assert r[key]["p50"] <= r[key]["p99"]
         assert r["ttft_ms"]["p50"] <= r["e2e_ms"]["p50"]
+        assert 0 < r["exposed_transfer_ms"]["p50"] <= r["ttft_ms"]["p50"]
     assert plot.stat().st_size > 0
 
 
 @pytest.mark.parametrize("flag, value", [("--concurrency", "1,x"), ("--concurrency", "0"),
-                                         ("--requests", "0")])  # fmt: skip
+                                         ("--requests", "0"), ("--stream-layers", "0"),
+                                         ("--transfer-mode", "push")])  # fmt: skip
 def test_bad_flags_are_named(flag, value):
     result = bench(flag, value)
     assert result.returncode == 2

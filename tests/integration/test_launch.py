@@ -152,6 +152,26 @@ def test_launch_prefix_cache_hits_on_both_sides_and_verifies():
     assert_no_leftovers(launch_id)
 
 
+def test_launch_layerwise_streams_verify_and_report_their_exposed_time():
+    """Streams of 300-token prompts in chunks, Kimi-Linear read at P=1, D=2: every request
+    verifies, every byte crossed once, and what TTFT saw of each transfer is reported."""
+    args = [
+        "--model", "tiny-kimi-linear", "--decode-tp", "2", "--requests", "3",
+        "--prompt-len", "300", "--max-tokens", "4", "--transfer-mode", "layerwise",
+        "--stream-layers", "2", "--verify", "--json",
+    ]  # fmt: skip
+    proc, launch_id = run_launch(args)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = json.loads(proc.stdout)
+    assert summary["verified"] == 3 and summary["transfer_mode"] == "layerwise"
+    kv, state = expected_bytes("tiny-kimi-linear", 2, 300)
+    for row in summary["per_request"]:
+        assert (row["kv_bytes"], row["state_bytes"]) == (kv, state)
+        assert 0 < row["exposed_transfer_ms"] <= row["ttft_ms"]
+    assert summary["exposed_transfer_ms"]["p50"] <= summary["exposed_transfer_ms"]["p99"]
+    assert_no_leftovers(launch_id)
+
+
 def test_launch_ucx_table():
     """The second transport, and the human-readable table."""
     args = [

@@ -4,9 +4,11 @@ one step, decode tokens beside prefills, requests joining and leaving between st
 slots and blocks reused), chunked prefill, a transferred state continued; the slot lifecycle
 per sequence; TP=2 over gloo.
 
-Not bit for bit: a matmul over the batch's rows reduces in another order than over one
-request's rows on CPU, so caches and logits are compared to `REL` of their magnitude and
-greedy choices wherever the margin is clear (batching_support)."""
+Prefill steps are row-invariant (transfer/model/row_invariant.py): a prompt's caches and
+logits after a step it shares, or after chunks cut at multiples of 64, are the bits of the
+prompt alone in one pass. Decode steps keep their natural GEMM shapes, whose rows reduce in
+another order by the batch's row count on CPU, so decode logits are compared to `REL` of
+their magnitude and greedy choices wherever the margin is clear (batching_support)."""
 
 from __future__ import annotations
 
@@ -64,9 +66,10 @@ def test_mixed_prompt_lengths_in_one_step(model):
     out = e.batch.step(steps)
     assert out.tokens == out.logits.argmax(-1).tolist()
     for i, (step, (_, logits, caches)) in enumerate(zip(steps, refs, strict=True)):
-        assert_same_choices(out.logits[i : i + 1], logits, f"prompt {i}")
+        # a prefill step is row-invariant (transfer/model/row_invariant.py): bit for bit
+        assert torch.equal(out.logits[i], logits[0]), f"prompt {i}"
         ours = request_caches(e.caches, step.slot, step.block_ids, len(step.tokens))
-        assert_caches_close(ours, caches, f"prompt {i}")
+        assert [key for key in caches if not torch.equal(ours[key], caches[key])] == []
         assert e.engine.slot_phase(step.slot) is SlotPhase.READY
 
 
@@ -122,6 +125,26 @@ def test_chunked_prefill_equals_one_shot(model):
     assert_caches_close(caches, prefilled, "chunked prefill", rel=CHUNKED_REL)
     assert_same_choices(torch.stack(ours), logits, "chunked prefill", rel=CHUNKED_REL)
     assert_same_choices(torch.stack(theirs), o_logits[:4], "decode beside the chunks")
+
+
+def test_chunks_cut_at_multiples_of_64_equal_one_shot_bit_for_bit(model):
+    """Where the prefill batcher cuts a prompt that does not fit a step: the scans' chunks
+    and the attention tiles restart there as in one pass, beside whatever else runs."""
+    vocab = model.geometry.vocab_size
+    prompt, other = random_prompt(vocab, 150), random_prompt(vocab, 30)
+    _, logits, prefilled = reference(model, prompt, 1)
+    o_tokens, _, _ = reference(model, other, 4)
+    e = engines(model)
+    blocks, o_blocks = list(range(20, 30)), [40, 3, 17]
+    e.batch.step_logits([SequenceStep(other, 0, o_blocks)])
+    for c, start in enumerate((0, 64, 128)):
+        chunk = SequenceStep(prompt[start : start + 64], 2, blocks, start)
+        out = e.batch.step_logits(
+            [SequenceStep.decode(o_tokens[c], 0, o_blocks, len(other) + c), chunk]
+        )
+    assert torch.equal(out[1], logits[0])
+    caches = request_caches(e.caches, 2, blocks, len(prompt))
+    assert [key for key in prefilled if not torch.equal(caches[key], prefilled[key])] == []
 
 
 def test_transferred_state_continues_beside_a_fresh_prefill(model):

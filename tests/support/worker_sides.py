@@ -8,8 +8,12 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from tests.support.ucx_env import pristine_ucx_env
+from transfer.control.client import ClientOptions
+from transfer.control.server import serve
+from transfer.net import free_port
 from transfer.serving.decode import DecodeWorker
-from transfer.serving.instance import Instance
+from transfer.serving.instance import Instance, InstanceConfig
 from transfer.serving.prefill import PrefillWorker
 
 
@@ -40,3 +44,26 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def start_prefill(config: InstanceConfig, name: str, lease_s: float = 30.0) -> Side:
+    """A prefill instance behind its gRPC server, on loopback."""
+    with pristine_ucx_env():
+        instance = Instance(config)
+    address = f"127.0.0.1:{free_port()}"
+    worker = PrefillWorker(instance, name, address, lease_s)
+    server = serve(address, store=worker.store, identity=worker.identity, prefill=worker.prefill)
+    worker.start()
+    return Side(instance, worker, server, address)
+
+
+def start_decode(config: InstanceConfig, name: str, prefills: list[Side]) -> Side:
+    """A decode instance that may read from `prefills`, behind its gRPC server."""
+    with pristine_ucx_env():
+        instance = Instance(config)
+    address = f"127.0.0.1:{free_port()}"
+    worker = DecodeWorker(
+        instance, name, ClientOptions(timeout_s=60.0), known_prefill=[p.address for p in prefills]
+    )
+    server = serve(address, decode=worker.decode, register_prefill=worker.register_prefill)
+    return Side(instance, worker, server, address)

@@ -22,6 +22,7 @@ PUBLIC = {
     "pdxfer_transfer_seconds_bucket",
     "pdxfer_transfer_seconds_count",
     "pdxfer_transfer_seconds_sum",
+    "pdxfer_transfer_exposed_seconds_count",
 }
 
 
@@ -43,7 +44,7 @@ def test_public_names_and_values():
         state_slots_free=lambda: free["slots"],
         state_slots_total=lambda: 4,
     )
-    metrics.record_transfer("done", 0.003, {"kv": 4096, "state": 1024}, descriptors=5)
+    metrics.record_transfer("done", 0.003, {"kv": 4096, "state": 1024}, 5, exposed_s=0.001)
     metrics.record_transfer("failed", 0.2)
     free["blocks"] = 12
     got = samples(metrics.render())
@@ -55,6 +56,7 @@ def test_public_names_and_values():
     assert got[("pdxfer_transfer_descriptors_total", ())] == 5
     assert got[("pdxfer_transfer_seconds_count", ())] == 2
     assert got[("pdxfer_transfer_seconds_bucket", (("le", "0.005"),))] == 1
+    assert got[("pdxfer_transfer_exposed_seconds_count", ())] == 1  # a failed one exposes none
 
 
 @pytest.mark.parametrize(
@@ -63,6 +65,7 @@ def test_public_names_and_values():
         (("", 0.1), "status"),
         (("done", -1.0), "seconds"),
         (("done", 0.1, {"kv": -1}), "bytes_by_kind"),
+        (("done", 0.1, {}, 0, -0.5), "exposed_s"),
     ],
 )
 def test_record_transfer_rejects_bad_values(args, field):

@@ -76,6 +76,17 @@ def test_a_long_prompt_runs_in_chunks_of_the_budget_in_order(make):
     assert [step[0] for step in ranks.steps] == [(3, 0, 64), (3, 64, 64), (3, 128, 22)]
 
 
+def test_a_chunk_short_of_the_prompt_end_stops_at_a_multiple_of_64(make):
+    """Where the chunked scans and attention tiles restart as in one pass; a budget too
+    small for that still makes progress."""
+    ranks = FakeRanks()
+    run_all(make(ranks, budget=100), {3: 150})
+    assert [step[0] for step in ranks.steps] == [(3, 0, 64), (3, 64, 86)]
+    ranks = FakeRanks()
+    run_all(make(ranks, budget=40), {3: 100})
+    assert [step[0] for step in ranks.steps] == [(3, 0, 40), (3, 40, 24), (3, 64, 36)]
+
+
 def test_concurrent_prompts_share_steps_within_the_budget(make):
     ranks = FakeRanks(step_s=0.05)
     lengths = {0: 30, 1: 40, 2: 50, 3: 20}

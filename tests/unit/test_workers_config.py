@@ -113,11 +113,12 @@ def test_router_addresses():
 def test_summary_percentiles_and_table():
     args = argparse.Namespace(
         model="tiny-qwen3-next", hf_config=None, transport="nixl", prefill_tp=2, decode_tp=1,
-        verify=True, prompt_len=8, max_tokens=2,
+        verify=True, prompt_len=8, max_tokens=2, transfer_mode="layerwise",
     )  # fmt: skip
     outcomes = [
         Outcome(f"req-{i}", [1], tokens=[3, 4], ttft_ms=10.0 * (i + 1), transfer_ms=1.0 * (i + 1),
-                kv_bytes=100, state_bytes=50, descriptors=3, wall_s=0.5)
+                exposed_transfer_ms=0.5 * (i + 1), kv_bytes=100, state_bytes=50, descriptors=3,
+                wall_s=0.5)
         for i in range(3)
     ]  # fmt: skip
     outcomes.append(Outcome("req-bad", [1], error="UNAVAILABLE: boom", wall_s=1.0))
@@ -125,10 +126,13 @@ def test_summary_percentiles_and_table():
     summary = summarize(outcomes, args)
     assert summary["ttft_ms"] == {"p50": 20.0, "p99": 29.8}
     assert summary["transfer_ms"] == {"p50": 2.0, "p99": 2.98}
+    assert summary["exposed_transfer_ms"] == {"p50": 1.0, "p99": 1.49}
+    assert summary["per_request"][2]["exposed_transfer_ms"] == 1.5
     assert (summary["requests"], summary["verified"], summary["failed"]) == (4, 2, 2)
     assert (summary["kv_bytes"], summary["state_bytes"], summary["descriptors"]) == (300, 150, 9)
     table = format_table(outcomes, summary)
     assert "req-1" in table and "FAIL" in table and "ERROR" in table
+    assert "exposed p50 1.00 ms (layerwise)" in table
     assert "req-bad: UNAVAILABLE: boom" in table and "req-1: tokens differ" in table
 
 

@@ -30,6 +30,7 @@ class _Request:
     gaps_s: list[float] = field(default_factory=list)
     e2e_s: float = 0.0
     transfer_ms: float = 0.0
+    exposed_transfer_ms: float = 0.0
     error: str = ""
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0
@@ -58,6 +59,7 @@ class LoadResult:
     itl_ms: dict
     e2e_ms: dict
     transfer_ms: dict
+    exposed_transfer_ms: dict = field(default_factory=dict)
     prompt_tokens: int = 0  # totals over the answered requests
     cached_prompt_tokens: int = 0  # not computed by prefill (its prefix cache)
     reused_decode_tokens: int = 0  # not read by decode (its prefix cache)
@@ -112,6 +114,7 @@ def run_load(
                     now = time.perf_counter()
                     if not out.generated:
                         out.ttft_s, out.transfer_ms = now - start, event.transfer_ms
+                        out.exposed_transfer_ms = event.exposed_transfer_ms
                         out.kv_bytes, out.state_bytes = event.kv_bytes, event.state_bytes
                         out.cached_prompt_tokens = event.cached_prompt_tokens
                         out.reused_decode_tokens = event.reused_decode_tokens
@@ -169,6 +172,7 @@ def run_load(
         itl_ms=_p50_p99([g for r in good for g in r.gaps_s]),
         e2e_ms=_p50_p99([r.e2e_s for r in good]),
         transfer_ms=_p50_p99([r.transfer_ms for r in good], scale=1.0),
+        exposed_transfer_ms=_p50_p99([r.exposed_transfer_ms for r in good], scale=1.0),
         output_digest=_digest(results),
         **{
             name: sum(getattr(r, name) for r in good)

@@ -112,6 +112,7 @@ LAYOUT_FIELDS = (
     "kv_reserved_bytes",
     "state_reserved_bytes",
     "staging_bytes",
+    "progress_bytes",
 )
 
 

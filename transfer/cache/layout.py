@@ -1,6 +1,7 @@
 """`Layout`: the single source of byte offsets of one rank's arena.
 
-The arena is `[KV region | state region | staging area]`, each 64-byte aligned. The layout
+The arena is `[KV region | state region | progress area | staging area]`, each 64-byte
+aligned (the progress area carries layer-wise streaming's readiness words; it may be empty). The layout
 is a frozen value computed from a small spec (geometry, TP, rank, counts, dtypes, options),
 so the peer rebuilds it from `to_dict()`. Within a region, bytes are packed tightly; the
 memory plan's page padding, when given, is reserved at the region's tail, which keeps a
@@ -55,6 +56,7 @@ class Layout:
     kv_reserved_bytes: int | None = None
     state_reserved_bytes: int | None = None
     staging_bytes: int = 0
+    progress_bytes: int = 0
     version: int = LAYOUT_VERSION
 
     def __post_init__(self) -> None:
@@ -65,6 +67,7 @@ class Layout:
             ("num_blocks", 0),
             ("num_slots", 0),
             ("staging_bytes", 0),
+            ("progress_bytes", 0),
         ):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -99,6 +102,7 @@ class Layout:
         dtypes: CacheDtypes | None = None,
         options: LayoutOptions | None = None,
         staging_bytes: int = 0,
+        progress_bytes: int = 0,
     ) -> Layout:
         """The layout of a rank sized by `plan` (its placement overrides `options`')."""
         options = dataclasses.replace(options or LayoutOptions(), state_placement=plan.placement)
@@ -114,6 +118,7 @@ class Layout:
             kv_reserved_bytes=plan.num_kv_blocks * plan.kv_block_bytes,
             state_reserved_bytes=plan.num_state_slots * plan.state_slot_bytes,
             staging_bytes=staging_bytes,
+            progress_bytes=progress_bytes,
         )
 
     def peer(self, rank: int) -> Layout:
@@ -167,8 +172,12 @@ class Layout:
         return self._state[1] if self.state_reserved_bytes is None else self.state_reserved_bytes
 
     @property
-    def staging_offset(self) -> int:
+    def progress_offset(self) -> int:
         return align(self.state_offset + self.state_region_bytes, REGION_ALIGN)
+
+    @property
+    def staging_offset(self) -> int:
+        return align(self.progress_offset + self.progress_bytes, REGION_ALIGN)
 
     @property
     def arena_bytes(self) -> int:
@@ -271,6 +280,7 @@ class Layout:
             "kv_reserved_bytes": self.kv_reserved_bytes,
             "state_reserved_bytes": self.state_reserved_bytes,
             "staging_bytes": self.staging_bytes,
+            "progress_bytes": self.progress_bytes,
         }
 
     @classmethod

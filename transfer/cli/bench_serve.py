@@ -13,6 +13,7 @@ from pathlib import Path
 
 from transfer.cli.model_args import (
     add_local_prefix_cache_arguments,
+    add_local_transfer_mode_arguments,
     add_served_model_arguments,
 )
 from transfer.errors import InvalidInput
@@ -64,6 +65,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="multiturn: tokens each later turn adds (default 16)",
     )
     add_local_prefix_cache_arguments(parser)
+    add_local_transfer_mode_arguments(parser)
     parser.add_argument(
         "--max-tokens", type=int, default=32, help="tokens per request (default 32)"
     )
@@ -113,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
 
     levels = _concurrencies(args.concurrency)
     for name in ("requests", "prompt_len", "max_tokens", "max_num_batched_tokens", "turns",
-                 "turn_len"):  # fmt: skip
+                 "turn_len", "stream_layers"):  # fmt: skip
         if getattr(args, name) < 1:
             raise InvalidInput(
                 f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}"
@@ -129,6 +131,7 @@ def run(args: argparse.Namespace) -> int:
         args.gpu_mem, "cpu", max_seqs, seed=args.seed, timeout_s=args.timeout,
         max_num_batched_tokens=args.max_num_batched_tokens,
         prefix_cache=args.prefix_cache, checkpoint_interval=args.checkpoint_interval,
+        transfer_mode=args.transfer_mode, stream_layers=args.stream_layers,
     )  # fmt: skip
     pair = LocalPair(config, run_dir)
     results = []
@@ -158,6 +161,7 @@ def run(args: argparse.Namespace) -> int:
         "max_tokens": args.max_tokens,
         "workload": args.workload,
         "prefix_cache": args.prefix_cache,
+        "transfer_mode": args.transfer_mode,
         "results": results,
     }
     if args.plot:

@@ -23,6 +23,7 @@ from transfer.cli.launch_report import format_table, summarize
 from transfer.cli.launch_run import Progress, References, send_all, verify_outcomes
 from transfer.cli.model_args import (
     add_local_prefix_cache_arguments,
+    add_local_transfer_mode_arguments,
     add_served_model_arguments,
 )
 from transfer.errors import InvalidInput
@@ -74,6 +75,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="each worker's staging pool per rank; 0 reads every range directly (default 8)",
     )
     add_local_prefix_cache_arguments(parser)
+    add_local_transfer_mode_arguments(parser)
     parser.add_argument(
         "--shared-prefix",
         type=int,
@@ -155,6 +157,7 @@ def launch(config: LaunchConfig) -> int:
             block_size=config.block_size, seed=config.seed, dump_dir=dump_dir,
             timeout_s=config.timeout, staging_mib=config.staging_mib,
             prefix_cache=config.prefix_cache, checkpoint_interval=config.checkpoint_interval,
+            transfer_mode=config.transfer_mode, stream_layers=config.stream_layers,
         ),
         run_dir,
     )  # fmt: skip

@@ -5,8 +5,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from transfer.errors import InvalidInput
+from transfer.serving.progress import DEFAULT_STREAM_LAYERS
 
-_AT_LEAST_ONE = ("prefill_tp", "decode_tp", "requests", "prompt_len", "max_tokens", "block_size")
+_AT_LEAST_ONE = (
+    "prefill_tp",
+    "decode_tp",
+    "requests",
+    "prompt_len",
+    "max_tokens",
+    "block_size",
+    "stream_layers",
+)
 
 
 @dataclass(frozen=True)
@@ -33,9 +42,11 @@ class LaunchConfig:
     timeout: float = 300.0
     keep_logs: bool = False
     staging_mib: int = 8
-    prefix_cache: bool = False
+    prefix_cache: bool = True
     shared_prefix: int = 0
     checkpoint_interval: int = 0
+    transfer_mode: str = "whole"
+    stream_layers: int = DEFAULT_STREAM_LAYERS
 
     def __post_init__(self) -> None:
         for name in _AT_LEAST_ONE:

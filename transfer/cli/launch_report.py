@@ -34,6 +34,7 @@ def summarize(outcomes: list[Outcome], config: LaunchConfig, codec=None) -> dict
             "output_token_ids": list(o.tokens),
             "ttft_ms": round(o.ttft_ms, 3),
             "transfer_ms": round(o.transfer_ms, 3),
+            "exposed_transfer_ms": round(o.exposed_transfer_ms, 3),
             "kv_bytes": o.kv_bytes,
             "state_bytes": o.state_bytes,
             "descriptors": o.descriptors,
@@ -51,6 +52,7 @@ def summarize(outcomes: list[Outcome], config: LaunchConfig, codec=None) -> dict
         "transport": config.transport,
         "prefill_tp": config.prefill_tp,
         "decode_tp": config.decode_tp,
+        "transfer_mode": config.transfer_mode,
         "requests": len(outcomes),
         "verify": bool(config.verify),
         "verified": sum(o.ok for o in outcomes) if config.verify else 0,
@@ -63,6 +65,7 @@ def summarize(outcomes: list[Outcome], config: LaunchConfig, codec=None) -> dict
         **_prefix_summary(good),
         "ttft_ms": percentiles([o.ttft_ms for o in good]),
         "transfer_ms": percentiles([o.transfer_ms for o in good]),
+        "exposed_transfer_ms": percentiles([o.exposed_transfer_ms for o in good]),
         "tokens_per_s": percentiles([o.tokens_per_s for o in good]),
         "per_request": per_request,
     }
@@ -106,6 +109,7 @@ def format_table(outcomes: list[Outcome], summary: dict) -> str:
         + f" | {s['transport']} P={s['prefill_tp']} D={s['decode_tp']}"
         + f" | ttft p50 {s['ttft_ms']['p50']:.1f} ms p99 {s['ttft_ms']['p99']:.1f} ms"
         + f" | transfer p50 {s['transfer_ms']['p50']:.2f} ms p99 {s['transfer_ms']['p99']:.2f} ms"
+        + f" | exposed p50 {s['exposed_transfer_ms']['p50']:.2f} ms ({s['transfer_mode']})"
     )
     for o in outcomes:
         for problem in ([o.error] if o.error else []) + o.problems:

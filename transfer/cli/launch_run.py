@@ -24,6 +24,7 @@ class Outcome:
     tokens: list[int] = field(default_factory=list)
     ttft_ms: float = 0.0
     transfer_ms: float = 0.0
+    exposed_transfer_ms: float = 0.0
     kv_bytes: int = 0
     state_bytes: int = 0
     descriptors: int = 0
@@ -93,6 +94,7 @@ def send_all(
             for event in client.generate(request):
                 if event.index == 0:
                     out.ttft_ms, out.transfer_ms = event.ttft_ms, event.transfer_ms
+                    out.exposed_transfer_ms = event.exposed_transfer_ms
                     out.kv_bytes, out.state_bytes = event.kv_bytes, event.state_bytes
                     out.descriptors = event.descriptors
                     out.cached_prompt_tokens = event.cached_prompt_tokens

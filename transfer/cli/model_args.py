@@ -7,6 +7,7 @@ import argparse
 import os
 
 from transfer.presets import PRESETS
+from transfer.serving.progress import DEFAULT_STREAM_LAYERS, TRANSFER_MODES
 
 SSM_DTYPES = ("auto", "float32", "bfloat16")
 
@@ -35,11 +36,30 @@ def add_served_model_arguments(parser: argparse.ArgumentParser, default_model: s
     )
 
 
+def add_local_transfer_mode_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--transfer-mode",
+        choices=TRANSFER_MODES,
+        default="whole",
+        help="both instances' (serve's flag): whole (default) reads a request once prefill "
+        "finished it; layerwise streams each group of layers as prefill finishes it",
+    )
+    parser.add_argument(
+        "--stream-layers",
+        type=int,
+        default=DEFAULT_STREAM_LAYERS,
+        metavar="N",
+        help=f"with --transfer-mode layerwise: layers per streaming group (default "
+        f"{DEFAULT_STREAM_LAYERS})",
+    )
+
+
 def add_local_prefix_cache_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--prefix-cache",
-        action="store_true",
-        help="run both instances with their prefix caches (serve --prefix-cache)",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="both instances' prefix caches (serve's flag; default on)",
     )
     parser.add_argument(
         "--checkpoint-interval",

@@ -7,6 +7,7 @@ import os
 
 from transfer.cli.model_args import add_served_model_arguments
 from transfer.serving.checkpoints import DEFAULT_STATE_CHECKPOINTS
+from transfer.serving.progress import DEFAULT_STREAM_LAYERS, TRANSFER_MODES
 
 ROLES = ("prefill", "decode", "router")
 
@@ -84,11 +85,11 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--prefix-cache",
         action=argparse.BooleanOptionalAction,
-        default=False,
+        default=True,
         help="keep full KV blocks by the hash of their tokens. Prefill also keeps state "
         "checkpoints at block boundaries and computes only what a prompt adds to a cached "
-        "prefix; decode reads only the blocks it does not hold yet (default off; "
-        "docs/prefix-cache.md)",
+        "prefix; decode reads only the blocks it does not hold yet. The tokens and caches "
+        "are those of a run without it (default on; docs/prefix-cache.md)",
     )
     parser.add_argument(
         "--state-checkpoints",
@@ -103,6 +104,24 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="prefill with --prefix-cache: also checkpoint every this many prompt tokens, a "
         "multiple of lcm(block size, 64); 0 checkpoints prompt ends only (default 0)",
+    )
+    parser.add_argument(
+        "--transfer-mode",
+        choices=TRANSFER_MODES,
+        default="whole",
+        help="whole (default): decode reads a request once prefill has finished it. "
+        "layerwise: prefill publishes the ticket when the cache is allocated and each group "
+        "of layers of each chunk as it finishes; decode reads them meanwhile (on decode, "
+        "layerwise reads a streamed ticket as it goes, whole waits for its end). Lays the "
+        "cache out per group (docs/streaming.md)",
+    )
+    parser.add_argument(
+        "--stream-layers",
+        type=int,
+        default=DEFAULT_STREAM_LAYERS,
+        metavar="N",
+        help=f"with --transfer-mode layerwise: layers per streaming group; smaller groups "
+        f"overlap more and cost more descriptors (default {DEFAULT_STREAM_LAYERS})",
     )
     parser.add_argument(
         "--max-queue",

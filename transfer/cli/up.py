@@ -47,6 +47,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--block-size", type=int, default=16, help="min KV block size (default 16)")
     parser.add_argument("--seed", type=int, default=0, help="weight seed of a preset (default 0)")
     parser.add_argument(
+        "--prefix-cache",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="every instance's prefix cache (serve's flag; default on)",
+    )
+    parser.add_argument(
         "--timeout", type=float, default=300.0, help="seconds to wait for start-up (default 300)"
     )
     http = parser.add_argument_group("HTTP")
@@ -82,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
         "--host", args.host, "--port", "0", "--model", args.model, "--ssm-dtype", args.ssm_dtype,
         "--transport", args.transport, "--gpu-mem", args.gpu_mem, "--device", args.device,
         "--max-seqs", str(args.max_seqs), "--block-size", str(args.block_size),
-        "--seed", str(args.seed),
+        "--seed", str(args.seed), "--prefix-cache" if args.prefix_cache else "--no-prefix-cache",
     ]  # fmt: skip
     procs, keep = [], False
     previous = signal.signal(signal.SIGTERM, _interrupt)

@@ -43,6 +43,7 @@ def ticket_to_pb(t: Ticket) -> transfer_pb2.Ticket:
         abort_key=t.abort_key,
         cached_tokens=t.cached_tokens,
         block_hashes=list(t.block_hashes),
+        stream_key=t.stream_key,
     )
 
 
@@ -81,6 +82,7 @@ def ticket_from_pb(m: transfer_pb2.Ticket, prefix: str = "") -> Ticket:
         abort_key=m.abort_key,
         cached_tokens=m.cached_tokens,
         block_hashes=tuple(m.block_hashes),
+        stream_key=m.stream_key,
     )
 
 
@@ -231,6 +233,7 @@ def token_event_to_pb(e: TokenEvent) -> worker_pb2.TokenEvent:
         logprob=e.logprob,
         cached_prompt_tokens=e.cached_prompt_tokens,
         reused_decode_tokens=e.reused_decode_tokens,
+        exposed_transfer_ms=e.exposed_transfer_ms,
     )
 
 
@@ -248,6 +251,7 @@ def token_event_from_pb(m: worker_pb2.TokenEvent) -> TokenEvent:
         logprob=m.logprob,
         cached_prompt_tokens=m.cached_prompt_tokens,
         reused_decode_tokens=m.reused_decode_tokens,
+        exposed_transfer_ms=m.exposed_transfer_ms,
     )
 
 

@@ -53,7 +53,9 @@ class WorkerMetrics:
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
         self.kv_blocks_free = Gauge(
-            "pdxfer_kv_blocks_free", "KV cache blocks free in this worker's pool", registry=r
+            "pdxfer_kv_blocks_free",
+            "KV cache blocks an allocation can have: free, or held only by the prefix cache",
+            registry=r,
         )
         self.kv_blocks_total = Gauge(
             "pdxfer_kv_blocks_total", "KV cache blocks in this worker's pool", registry=r
@@ -87,6 +89,13 @@ class WorkerMetrics:
         self.transfer_seconds = Histogram(
             "pdxfer_transfer_seconds",
             "Wall time of one cache transfer",
+            buckets=TRANSFER_SECONDS_BUCKETS,
+            registry=r,
+        )
+        self.transfer_exposed_seconds = Histogram(
+            "pdxfer_transfer_exposed_seconds",
+            "Transfer time a request's TTFT sees: a whole transfer from the ticket's arrival, "
+            "a layer-wise stream from prefill finishing, to every byte landed",
             buckets=TRANSFER_SECONDS_BUCKETS,
             registry=r,
         )
@@ -185,8 +194,10 @@ class WorkerMetrics:
         seconds: float,
         bytes_by_kind: Mapping[str, int] | None = None,
         descriptors: int = 0,
+        exposed_s: float | None = None,
     ) -> None:
-        """Count one finished transfer (status e.g. "done" / "failed"); a rejected call counts nothing."""
+        """Count one finished transfer (status e.g. "done" / "failed"), with the part of it
+        its request's TTFT saw (`exposed_s`) when known; a rejected call counts nothing."""
         bytes_by_kind = dict(bytes_by_kind or {})
         if not status:
             raise InvalidInput("status: must be a non-empty string")
@@ -195,9 +206,13 @@ class WorkerMetrics:
         for kind, nbytes in bytes_by_kind.items():
             if nbytes < 0:
                 raise InvalidInput(f"bytes_by_kind[{kind!r}]: must be >= 0, got {nbytes}")
+        if exposed_s is not None and exposed_s < 0:
+            raise InvalidInput(f"exposed_s: must be >= 0, got {exposed_s}")
         self.transfers.labels(status=status).inc()
         self.transfer_seconds.observe(seconds)
         self.transfer_descriptors.inc(descriptors)
+        if exposed_s is not None:
+            self.transfer_exposed_seconds.observe(exposed_s)
         for kind, nbytes in bytes_by_kind.items():
             self.transfer_bytes.labels(kind=kind).inc(nbytes)
 

@@ -111,8 +111,11 @@ class TicketStore:
         first_logprob: float = 0.0,
         cached_tokens: int = 0,
         block_hashes: tuple[bytes, ...] = (),
+        stream_key: int = 0,
     ) -> Ticket:
-        """Publish a finished prefill. Raises `InvalidInput` naming the field; a rejected call changes nothing."""
+        """Publish a finished prefill, or with a `stream_key` one that has only its cache
+        allocated (layer-wise streaming). Raises `InvalidInput` naming the field; a rejected
+        call changes nothing."""
         block_ids = tuple(int(b) for b in block_ids)
         validate_ticket_fields(request_id, block_ids, slot_id, num_tokens, first_token, self.config)
         if not 0 <= cached_tokens < num_tokens:
@@ -142,6 +145,7 @@ class TicketStore:
                 abort_key=secrets.token_hex(16),
                 cached_tokens=cached_tokens,
                 block_hashes=tuple(block_hashes),
+                stream_key=stream_key,
             )
             live = _Live(ticket, holder="", seq=-1)
             self._live[request_id] = live

@@ -74,6 +74,7 @@ class Ticket:
     abort_key: str = ""  # Abort must present it (drawn by the prefill instance)
     cached_tokens: int = 0  # prompt tokens served from the prefill side's prefix cache
     block_hashes: tuple[bytes, ...] = ()  # chained hash of each full prompt block
+    stream_key: int = 0  # non-zero: published before prefill ran (docs/streaming.md)
 
 
 @dataclass(frozen=True)
@@ -196,6 +197,7 @@ class TokenEvent:
     logprob: float = 0.0  # the token's log-probability under the model (before sampling)
     cached_prompt_tokens: int = 0  # prompt tokens the prefill side found in its prefix cache
     reused_decode_tokens: int = 0  # prompt tokens whose KV the decode side already held
+    exposed_transfer_ms: float = 0.0  # prefill done -> decode holds every byte (docs/streaming.md)
 
 
 def make_compat(

@@ -16,6 +16,7 @@ import torch
 
 from transfer.errors import InvalidInput
 from transfer.model.batch import SequenceStep, make_batch
+from transfer.model.layers.common import AfterLayer
 from transfer.model.runner import RankEngine, blocks_needed, is_index
 from transfer.model.sampling import GREEDY, Pick, Sampler, choose, logprob_of
 
@@ -46,21 +47,25 @@ class BatchEngine:
     def __init__(self, engine: RankEngine) -> None:
         self.engine = engine
 
-    def step_logits(self, sequences: Sequence[SequenceStep]) -> torch.Tensor:
-        """Run one step; fp32 logits [B, vocab] of each sequence's last token, in order."""
+    def step_logits(
+        self, sequences: Sequence[SequenceStep], after_layer: AfterLayer | None = None
+    ) -> torch.Tensor:
+        """Run one step; fp32 logits [B, vocab] of each sequence's last token, in order.
+        `after_layer(i)` runs once the step has written layer i's caches."""
         sequences = self.check(sequences)
         slots = self.engine.slots
         for s in sequences:
             if s.context_len == 0:
                 slots.begin_prefill(int(s.slot), s.block_ids)
         batch = make_batch(sequences, self.engine.caches, self.engine.device)
-        return self.engine.model.forward_batch(batch)
+        return self.engine.model.forward_batch(batch, after_layer=after_layer)
 
     def step(
         self,
         sequences: Sequence[SequenceStep],
         samplers: Sequence[Sampler] | None = None,
         indices: Sequence[int] | None = None,
+        after_layer: AfterLayer | None = None,
     ) -> StepOutput:
         """Run one step and pick each sequence's next token: greedy by default, else with
         `samplers[i]` as token `indices[i]` of sequence i's stream (`transfer.model.sampling`).
@@ -73,7 +78,7 @@ class BatchEngine:
                 f"samplers, indices: need one per sequence ({n}), got "
                 f"{len(samplers)} and {len(indices)}"
             )
-        logits = self.step_logits(sequences)
+        logits = self.step_logits(sequences, after_layer)
         picked = [choose(row, sampler, index) for row, sampler, index in
                   zip(logits, samplers, indices, strict=True)]  # fmt: skip
         rows = [[t, logprob_of(row, t)] for row, t in zip(logits, picked, strict=True)]

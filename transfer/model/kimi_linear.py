@@ -114,7 +114,7 @@ def build_kimi_linear(
             )
         input_norm = w.full(p + "input_layernorm.weight", (hidden,))
         post_norm = w.full(p + "post_attention_layernorm.weight", (hidden,))
-        sublayers.append(Residual(input_norm, eps, mixer, tp))
+        sublayers.append(Residual(input_norm, eps, mixer, tp, layer=spec.index))
         sublayers.append(Residual(post_norm, eps, mlp, tp, stateless=True))
     table = (geometry.vocab_size, hidden)
     embed = w.full("model.embed_tokens.weight", table)

@@ -24,7 +24,7 @@ from transfer.geometry import ModelGeometry
 from transfer.model.batch import Batch
 from transfer.model.checkpoint import Checkpoint
 from transfer.model.distributed import TPGroup
-from transfer.model.layers.common import Step
+from transfer.model.layers.common import AfterLayer, Step
 from transfer.presets import PRESETS, QWEN_MODEL_TYPES, TINY_HF_CONFIGS, get_preset, looks_like_path
 
 TINY_FORMAT = 1  # bump when tiny weights change, so stale cached checkpoints are not reused
@@ -40,7 +40,9 @@ class RankModel(Protocol):
 
     def forward(self, token_ids: torch.Tensor, step: Step, all_logits: bool = False): ...
 
-    def forward_batch(self, batch: Batch, all_logits: bool = False) -> torch.Tensor: ...
+    def forward_batch(
+        self, batch: Batch, all_logits: bool = False, after_layer: AfterLayer | None = None
+    ) -> torch.Tensor: ...
 
 
 def _qwen(checkpoint: Checkpoint, tp: TPGroup, device, geometry, seed) -> RankModel:

@@ -92,7 +92,8 @@ def build_nemotron_h(
             inter = field(config, "intermediate_size", kind=int)
             mixer = Relu2MLP(w, p + "mixer.", hidden, inter)
         norm = w.full(p + "norm.weight", (hidden,))
-        sublayers.append(Residual(norm, eps, mixer, tp, stateless=block == "mlp"))
+        mlp = block == "mlp"
+        sublayers.append(Residual(norm, eps, mixer, tp, stateless=mlp, layer=None if mlp else i))
     table = (geometry.vocab_size, hidden)
     embed = w.full(root + "embeddings.weight", table)
     return CausalLM(

@@ -16,7 +16,7 @@ from transfer.geometry import LayerKind, ModelGeometry, Segment
 from transfer.model.batch import Batch
 from transfer.model.checkpoint import Checkpoint
 from transfer.model.distributed import TPGroup
-from transfer.model.layers.common import Step
+from transfer.model.layers.common import AfterLayer, Step
 from transfer.model.layers.gated_attention import GatedAttention
 from transfer.model.layers.gated_deltanet import GatedDeltaNet
 from transfer.model.layers.mlp import SwiGLU
@@ -25,6 +25,7 @@ from transfer.model.layers.norms import offset_rms_norm
 from transfer.model.layers.rope import PartialRope
 from transfer.model.qwen_config import QwenConfig, qwen_config
 from transfer.model.rank_weights import RankWeights
+from transfer.model.row_invariant import row_invariant
 from transfer.presets import from_hf_dict
 
 
@@ -123,15 +124,21 @@ class QwenHybridLM:
         return self.tp.all_reduce_(logits)
 
     @torch.inference_mode()
-    def forward_batch(self, batch: Batch, all_logits: bool = False) -> torch.Tensor:
+    def forward_batch(
+        self, batch: Batch, all_logits: bool = False, after_layer: AfterLayer | None = None
+    ) -> torch.Tensor:
         """The batch's tokens -> fp32 logits [B, vocab] of each sequence's last token
-        ([T, vocab] of every token if all_logits); one all-reduce per sublayer for all B."""
-        x = self._embed(batch.token_ids)
-        for layer in self.layers:
-            x = layer(x, batch)
-        if not all_logits:
-            x = x[batch.last_tokens]
-        return self._logits(offset_rms_norm(x, self.final_norm, self.config.rms_norm_eps))
+        ([T, vocab] of every token if all_logits); one all-reduce per sublayer for all B.
+        `after_layer(i)` runs once layer i has written its caches."""
+        with row_invariant(batch.prefill is not None):
+            x = self._embed(batch.token_ids)
+            for index, layer in enumerate(self.layers):
+                x = layer(x, batch)
+                if after_layer is not None:
+                    after_layer(index)
+            if not all_logits:
+                x = x[batch.last_tokens]
+            return self._logits(offset_rms_norm(x, self.final_norm, self.config.rms_norm_eps))
 
     def forward(self, token_ids: torch.Tensor, step: Step, all_logits: bool = False):
         """token_ids [T] -> logits [vocab] of the last token ([T, vocab] if all_logits)."""

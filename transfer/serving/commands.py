@@ -44,6 +44,16 @@ class TransferStatus:
     state: TransferState
     seconds: float = 0.0  # from posting to the first poll that saw every READ done
     reason: str = ""  # why it failed
+    progress: tuple[int, ...] = ()  # a stream's latest progress words (the reading rank's)
+
+
+@dataclass(frozen=True)
+class StreamSource:
+    """Where a streamed request's progress is: its entry's arena offset on each prefill
+    rank. One decode rank reads them all (`reader_rank`)."""
+
+    entries: tuple[int, ...]
+    reader_rank: int = 0
 
 
 @dataclass(frozen=True)
@@ -71,7 +81,8 @@ class PrefillChunk:
     a FREE slot), into `block_ids`/`slot`; the chunk that ends the prompt picks token 0 of
     the `sampling` stream. Prefix cache: `restore_from` (a checkpoint slot, or -1) is copied
     into `slot` before the step (the state after `context_len` cached tokens), and `slot`
-    is copied into `checkpoint_to` (or -1) after it."""
+    is copied into `checkpoint_to` (or -1) after it. A streamed prompt's chunks publish their
+    progress (`transfer.serving.progress`) as the step's layer groups finish."""
 
     tokens: tuple[int, ...]
     context_len: int
@@ -80,6 +91,8 @@ class PrefillChunk:
     sampling: SamplingParams = GREEDY
     restore_from: int = -1
     checkpoint_to: int = -1
+    stream_key: int = 0  # layer-wise streaming: publish progress under this key (0: don't)
+    ends_prompt: bool = False  # this chunk's pick is the prompt's first token
 
 
 @dataclass(frozen=True)
@@ -130,7 +143,8 @@ class Release(RankCommand[None]):
 
 @dataclass(frozen=True)
 class TransferStart(RankCommand[None]):
-    """Mark `slot`/`block_ids` FILLING and post each rank's READs (`reads[rank]`)."""
+    """Mark `slot`/`block_ids` FILLING and post each rank's READs (`reads[rank]`); a
+    `stream` also starts reading the prefill ranks' progress."""
 
     request_id: str
     instance: str
@@ -138,6 +152,7 @@ class TransferStart(RankCommand[None]):
     slot: int
     block_ids: tuple[int, ...]
     deadline_s: float
+    stream: StreamSource | None = None  # more READs follow (`TransferPost`) as prefill runs
 
     def apply(self, worker: RankWorker) -> None:
         worker.transfer_start(
@@ -147,7 +162,21 @@ class TransferStart(RankCommand[None]):
             self.slot,
             list(self.block_ids),
             self.deadline_s,
+            self.stream,
         )
+
+
+@dataclass(frozen=True)
+class TransferPost(RankCommand[None]):
+    """Post more READs (`reads[rank]`) of a streamed transfer; `last` seals it: it is DONE
+    once every READ posted so far has landed."""
+
+    request_id: str
+    reads: tuple[RankReads, ...]
+    last: bool = False
+
+    def apply(self, worker: RankWorker) -> None:
+        worker.transfer_post(self.request_id, self.reads, self.last)
 
 
 @dataclass(frozen=True)

@@ -34,8 +34,10 @@ from transfer.serving.commands import (
     DecodeStep,
     Release,
     Snapshot,
+    StreamSource,
     TransferEnd,
     TransferPoll,
+    TransferPost,
     TransferSettled,
     TransferStart,
     TransferState,
@@ -43,8 +45,10 @@ from transfer.serving.commands import (
 from transfer.serving.decode_batcher import DecodeBatcher
 from transfer.serving.instance import Instance
 from transfer.serving.rank_protocol import RankCommandError
-from transfer.serving.reads import Reads, plan_reads, transfer_request
+from transfer.serving.reads import plan_reads, transfer_request
 from transfer.serving.router import resolve
+from transfer.serving.spec import RankReads
+from transfer.serving.stream import StreamPlanner, progress_entries
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +56,20 @@ POLL_INTERVAL_S = 0.0005
 HANDSHAKE_TIMEOUT_S = 10.0
 ACQUIRED_WAIT_S = 5.0  # longest wait for room while holding a ticket
 SETTLE_POLL_S = 0.5  # how often held caches of failed transfers are checked
+STREAM_HEARTBEAT_S = 0.5  # a stream's heartbeats also notice a failed prefill this soon
+
+
+@dataclass(frozen=True)
+class Pulled:
+    """A finished transfer into this instance."""
+
+    seconds: float  # posting to done, the slowest rank
+    exposed_s: float  # a stream's: prefill finished to done
+    kv_bytes: int
+    state_bytes: int
+    descriptors: int
+    first_token: int  # a stream learns it from the prefill ranks' progress
+    first_logprob: float
 
 
 @dataclass(frozen=True)
@@ -196,20 +214,14 @@ class DecodeWorker:
         try:
             prompt_blocks = blocks[: self.instance.layouts[0].blocks_for(ticket.num_tokens)]
             reused = len(held) * self.instance.block_size
-            reads = plan_reads(
-                peer.layouts,
-                self.instance.layouts,
-                transfer_request(ticket, prompt_blocks, slot),
-                request_id=rid,
-                holder=self.instance_id,
-                stager=peer.client,
-                pool=self.instance.staging,
-                min_small_ranges=self.instance.config.staging_min_ranges,
-                reused_tokens=reused,
-            )
-            # Only the blocks being read are FILLING: the held ones are shared, read-only.
-            new_blocks = prompt_blocks[len(held) :]
-            transfer_s = self._transfer(peer, ticket, reads, new_blocks, slot)
+            pulled = self._pull(peer, ticket, prompt_blocks, len(held), slot, reused)
+            # A whole transfer exposes all of its steps from the ticket's arrival on.
+            exposed_s = pulled.exposed_s if ticket.stream_key else time.perf_counter() - start
+            if self.metrics is not None:
+                moved = {"kv": pulled.kv_bytes, "state": pulled.state_bytes}
+                self.metrics.record_transfer(
+                    "done", pulled.seconds, moved, pulled.descriptors, exposed_s
+                )
             self.instance.staging.free(rid)  # every READ landed and was unpacked
             if prefix is not None:
                 prefix.insert_prompt(ticket.block_hashes, prompt_blocks, len(held))
@@ -219,20 +231,21 @@ class DecodeWorker:
             released = True
             yield TokenEvent(
                 rid,
-                ticket.first_token,
+                pulled.first_token,
                 0,
                 finished=request.max_tokens == 1,
                 ttft_ms=(time.perf_counter() - start) * 1e3,
-                transfer_ms=transfer_s * 1e3,
-                kv_bytes=reads.kv_bytes,
-                state_bytes=reads.state_bytes,
-                descriptors=reads.descriptors,
-                logprob=ticket.first_logprob,
+                transfer_ms=pulled.seconds * 1e3,
+                kv_bytes=pulled.kv_bytes,
+                state_bytes=pulled.state_bytes,
+                descriptors=pulled.descriptors,
+                logprob=pulled.first_logprob,
                 cached_prompt_tokens=ticket.cached_tokens,
                 reused_decode_tokens=reused,
+                exposed_transfer_ms=exposed_s * 1e3,
             )
             first = DecodeStep(
-                ticket.first_token, ticket.num_tokens, blocks, slot, request.sampling, 1
+                pulled.first_token, ticket.num_tokens, blocks, slot, request.sampling, 1
             )
             # Closed before the cache goes back, whatever ends the request: no later step
             # touches its slot or blocks.
@@ -305,24 +318,73 @@ class DecodeWorker:
         with self._quarantine_lock:
             return sorted(self._quarantine)
 
+    def _pull(
+        self, peer: Peer, ticket: Ticket, blocks: tuple[int, ...], held: int, slot: int,
+        reused: int,
+    ) -> Pulled:  # fmt: skip
+        """Read the ticket's cache (the KV after the first `held` of `blocks`, which this
+        instance already holds, and the state) into `blocks` and `slot`."""
+        request = transfer_request(ticket, blocks, slot)
+        # Only the blocks being read are FILLING: the held ones are shared, read-only.
+        new_blocks = blocks[held:]
+        if ticket.stream_key:
+            planner = StreamPlanner(
+                peer.layouts, self.instance.layouts, request, ticket.stream_key,
+                reused_tokens=reused, whole=self.instance.config.transfer_mode == "whole",
+            )  # fmt: skip
+            source = StreamSource(progress_entries(peer.layouts, ticket.slot_id))
+            none = tuple(RankReads(()) for _ in self.instance.layouts)
+            seconds, exposed = self._transfer(peer, ticket, none, new_blocks, slot, planner, source)
+            token, logprob = planner.first_pick
+            return Pulled(seconds, exposed, planner.kv_bytes, planner.state_bytes,
+                          planner.descriptors, token, logprob)  # fmt: skip
+        reads = plan_reads(
+            peer.layouts,
+            self.instance.layouts,
+            request,
+            request_id=ticket.request_id,
+            holder=self.instance_id,
+            stager=peer.client,
+            pool=self.instance.staging,
+            min_small_ranges=self.instance.config.staging_min_ranges,
+            reused_tokens=reused,
+        )
+        seconds, _ = self._transfer(peer, ticket, reads.per_rank, new_blocks, slot)
+        return Pulled(seconds, seconds, reads.kv_bytes, reads.state_bytes, reads.descriptors,
+                      ticket.first_token, ticket.first_logprob)  # fmt: skip
+
     def _transfer(
-        self, peer: Peer, ticket: Ticket, reads: Reads, blocks: tuple[int, ...], slot: int
-    ) -> float:
-        """Post every rank's READs and poll them to DONE; seconds taken (the slowest rank's,
-        from posting to done, as the rank measured it). Heartbeats keep the lease while
-        waiting; the transfer deadline bounds the heartbeats too. Raises TransferFailed
-        or the heartbeat's ControlError; the caller's `_return_cache`
-        decides whether the cache can go back."""
+        self,
+        peer: Peer,
+        ticket: Ticket,
+        reads: tuple[RankReads, ...],
+        blocks: tuple[int, ...],
+        slot: int,
+        planner: StreamPlanner | None = None,
+        source: StreamSource | None = None,
+    ) -> tuple[float, float]:
+        """Post every rank's READs and poll them to DONE; (seconds taken: the slowest
+        rank's, from posting to done, as the rank measured it; seconds exposed: a stream's,
+        from the poll that saw prefill finished to done, else the seconds taken). A stream (`planner` and
+        `source`) posts more READs as the prefill ranks publish progress. Heartbeats keep
+        the lease while waiting, and tell a stream early that its prefill failed; the
+        transfer deadline bounds the heartbeats too. Raises TransferFailed or the
+        heartbeat's ControlError; the caller's `_return_cache` decides whether the cache
+        can go back."""
         ranks, rid = self.instance.ranks, ticket.request_id
         heartbeat_every = self.heartbeat_s or max(0.2, (ticket.lease_deadline - time.time()) / 3)
+        if planner is not None:
+            heartbeat_every = min(heartbeat_every, STREAM_HEARTBEAT_S)
         begin = last_beat = time.perf_counter()
         deadline = begin + self.transfer_deadline_s
-        failure, seconds = "not started", 0.0
+        failure, seconds, finished_at = "not started", 0.0, None
+        sealed = planner is None
         try:
-            ranks.call(TransferStart(rid, peer.instance_id, reads.per_rank, slot, blocks,
-                                     self.transfer_deadline_s))  # fmt: skip
+            ranks.call(TransferStart(rid, peer.instance_id, reads, slot, blocks,
+                                     self.transfer_deadline_s, source))  # fmt: skip
             while True:
                 statuses = ranks.call(TransferPoll(rid))
+                polled_at = time.perf_counter()
                 failed = [
                     f"rank {r}: {s.reason}"
                     for r, s in enumerate(statuses)
@@ -331,7 +393,15 @@ class DecodeWorker:
                 if failed:
                     failure = "; ".join(failed)
                     break
-                if all(s.state is TransferState.DONE for s in statuses):
+                if not sealed:
+                    status = statuses[source.reader_rank]
+                    more = planner.advance(status.progress)
+                    if finished_at is None and (planner.finished or planner.complete):
+                        finished_at = polled_at
+                    if more is not None or planner.complete:
+                        sealed = planner.complete
+                        ranks.call(TransferPost(rid, more or reads, sealed))
+                elif all(s.state is TransferState.DONE for s in statuses):
                     failure, seconds = "", max(s.seconds for s in statuses)
                     break
                 left = deadline - time.perf_counter()
@@ -344,12 +414,8 @@ class DecodeWorker:
                 time.sleep(POLL_INTERVAL_S)
         finally:
             seconds = seconds or time.perf_counter() - begin
-            if self.metrics is not None:
-                moved = {"kv": reads.kv_bytes, "state": reads.state_bytes}
-                ok = not failure
-                self.metrics.record_transfer(
-                    "done" if ok else "failed", seconds, moved if ok else None, reads.descriptors
-                )
+            if failure and self.metrics is not None:
+                self.metrics.record_transfer("failed", seconds, None, 0)
         if failure:
             self.forget(peer.address)
             try:
@@ -359,7 +425,9 @@ class DecodeWorker:
             raise TransferFailed(
                 f"transfer of {rid!r} from {peer.instance_id} failed: {failure}", settled=settled
             )
-        return seconds
+        if planner is None:
+            return seconds, seconds
+        return seconds, time.perf_counter() - finished_at
 
     def _abort(self, peer: Peer, ticket: Ticket, reason: str) -> None:
         try:

@@ -31,6 +31,7 @@ from transfer.serving.checkpoints import (
     checkpoint_alignment,
 )
 from transfer.serving.commands import Info
+from transfer.serving.progress import DEFAULT_STREAM_LAYERS, TRANSFER_MODES
 from transfer.serving.ranks import RankGroup
 from transfer.serving.spec import STAGING_RESERVED_BYTES, RankSpec
 from transfer.sizing import CacheDtypes
@@ -66,6 +67,9 @@ class InstanceConfig:
     prefix_cache: bool = False  # keep full KV blocks by hash (docs/prefix-cache.md)
     state_checkpoints: int = DEFAULT_STATE_CHECKPOINTS  # prefill with a prefix cache
     checkpoint_interval: int = 0  # also checkpoint every this many prompt tokens (0: ends only)
+    transfer_mode: str = "whole"  # or "layerwise" (docs/streaming.md)
+    stream_layers: int = DEFAULT_STREAM_LAYERS  # layers per streaming group (layerwise)
+    stream_scribble_s: float = 0.0  # tests only: see ProgressWriter
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
@@ -86,6 +90,13 @@ class InstanceConfig:
             )
         if self.checkpoint_interval < 0:
             raise InvalidInput(f"checkpoint_interval: must be >= 0, got {self.checkpoint_interval}")
+        if self.transfer_mode not in TRANSFER_MODES:
+            raise InvalidInput(
+                f"transfer_mode: must be one of {', '.join(TRANSFER_MODES)}, "
+                f"got {self.transfer_mode!r}"
+            )
+        if self.stream_layers < 1:
+            raise InvalidInput(f"stream_layers: must be >= 1, got {self.stream_layers}")
         if self.staging_min_ranges < 1:
             raise InvalidInput(f"staging_min_ranges: must be >= 1, got {self.staging_min_ranges}")
         if self.tp % self.nnodes:
@@ -101,6 +112,11 @@ class InstanceConfig:
         """State slots the plan reserves for checkpoints (a prefill prefix cache only: the
         state always crosses whole to decode)."""
         return self.state_checkpoints if self.prefix_cache and self.role == "prefill" else 0
+
+    @property
+    def layer_group(self) -> int:
+        """The layout's streaming groups (0, the default layout, unless streaming)."""
+        return self.stream_layers if self.transfer_mode == "layerwise" else 0
 
     @property
     def model_source(self) -> str:
@@ -163,6 +179,8 @@ def rank_specs(config: InstanceConfig, plan: MemoryPlan) -> list[RankSpec]:
             dump_dir=config.dump_dir,
             staging_bytes=config.staging_bytes,
             env=env,
+            layer_group=config.layer_group,
+            stream_scribble_s=config.stream_scribble_s,
         )
         for rank in range(config.node_rank * per_node, (config.node_rank + 1) * per_node)
     ]
@@ -224,9 +242,16 @@ class Instance:
     def block_size(self) -> int:
         return self.plan.block_size
 
+    @property
+    def free_kv_blocks(self) -> int:
+        """KV blocks an allocation can have: free ones, and cached ones no request holds
+        (the prefix cache evicts them on demand). A leaked block counts in neither."""
+        evictable = self.prefix.evictable_blocks if self.prefix is not None else 0
+        return self.pools.blocks.num_free + evictable
+
     def free_counts(self) -> tuple[int, int]:
-        """(free KV blocks, free state slots)."""
-        return self.pools.blocks.num_free, self.pools.slots.num_free
+        """(KV blocks an allocation can have, free state slots)."""
+        return self.free_kv_blocks, self.pools.slots.num_free
 
     def close(self) -> None:
         self.ranks.close()

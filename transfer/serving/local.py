@@ -17,6 +17,7 @@ from transfer.serving.procs import (
     stop_all,
     wait_ready,
 )
+from transfer.serving.progress import DEFAULT_STREAM_LAYERS
 
 
 @dataclass(frozen=True)
@@ -37,8 +38,10 @@ class LocalPairConfig:
     metrics: bool = False  # serve /metrics on each worker (a free port each)
     max_num_batched_tokens: int = 2048
     staging_mib: int = 8
-    prefix_cache: bool = False  # both instances' prefix caches (--prefix-cache)
+    prefix_cache: bool = True  # both instances' prefix caches (--[no-]prefix-cache)
     checkpoint_interval: int = 0  # the prefill instance's (--checkpoint-interval)
+    transfer_mode: str = "whole"  # both instances' (--transfer-mode)
+    stream_layers: int = DEFAULT_STREAM_LAYERS  # both instances' (--stream-layers)
 
 
 class LocalPair:
@@ -69,8 +72,9 @@ class LocalPair:
             "--block-size", str(c.block_size), "--seed", str(c.seed),
             *(["--dump-dir", str(c.dump_dir)] if c.dump_dir else []),
             "--tp", str(tp), "--instance-id", f"{role}-0", "--lease-seconds", str(c.lease_s),
-            *(["--prefix-cache", "--checkpoint-interval", str(c.checkpoint_interval)]
-              if c.prefix_cache else []),
+            "--prefix-cache" if c.prefix_cache else "--no-prefix-cache",
+            "--checkpoint-interval", str(c.checkpoint_interval),
+            "--transfer-mode", c.transfer_mode, "--stream-layers", str(c.stream_layers),
         ]  # fmt: skip
 
     def start_workers(self) -> None:

@@ -6,14 +6,17 @@ that is the only place a published request's blocks and slot go back to the pool
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from transfer.cache.extents import count_runs
 from transfer.cache.prefix_cache import PrefixHit, block_hashes
-from transfer.control.errors import UnknownRequest
+from transfer.control.errors import ControlError, UnknownRequest
 from transfer.control.metrics import WorkerMetrics
 from transfer.control.tickets import TicketStore
 from transfer.control.types import (
@@ -21,21 +24,38 @@ from transfer.control.types import (
     FreeReason,
     HandshakeReply,
     PrefillRequest,
+    SamplingParams,
     StageRequest,
     Ticket,
     compat_hash,
 )
-from transfer.errors import CapacityError, InvalidInput
+from transfer.errors import CapacityError, InvalidInput, PdxferError
 from transfer.serving.checkpoints import checkpoint_positions, checkpoint_stops
 from transfer.serving.commands import Release, Snapshot, StageGather
 from transfer.serving.instance import Instance
 from transfer.serving.prefill_batcher import PrefillBatcher
+from transfer.serving.progress import next_key
 from transfer.serving.rank_protocol import RankCommandError, RankGroupDead
 from transfer.serving.spec import Copies
 
 logger = logging.getLogger(__name__)
 
 NO_HIT = PrefixHit((), None, 0)
+
+
+@dataclass(eq=False)
+class _Prompt:
+    """A prompt with its cache allocated, to prefill now or in the background."""
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    block_ids: tuple[int, ...]
+    slot: int
+    sampling: SamplingParams
+    hit: PrefixHit
+    hashes: tuple[bytes, ...]
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    done: threading.Event = field(default_factory=threading.Event)
 
 
 class PrefillWorker:
@@ -71,6 +91,9 @@ class PrefillWorker:
             rank_layouts=instance.rank_layouts,
         )
 
+        self._jobs: dict[str, _Prompt] = {}  # streamed prompts still prefilling
+        self._keys: dict[int, int] = {}  # slot -> the stream key it last had
+        self._jobs_lock = threading.Lock()
         self.batcher = PrefillBatcher(
             instance.ranks, instance.config.max_num_batched_tokens, instance.prefix
         )
@@ -90,7 +113,9 @@ class PrefillWorker:
         self, request: PrefillRequest, is_cancelled: Callable[[], bool] = lambda: False
     ) -> Ticket:
         """Run the prompt; the ticket names the blocks and slot that hold its cache. Once
-        `is_cancelled()` is true the prompt stops at its next chunk and frees its cache."""
+        `is_cancelled()` is true the prompt stops at its next chunk and frees its cache.
+        With `--transfer-mode layerwise` the ticket comes back as soon as the cache is
+        allocated, and the prompt runs in the background (`_publish_early`)."""
         vocab = self.instance.config.geometry.vocab_size
         bad = [t for t in request.prompt_ids if t >= vocab]
         if bad:
@@ -109,23 +134,11 @@ class PrefillWorker:
         if self.metrics is not None:
             self.metrics.record_block_runs(count_runs(cache.block_ids))
         blocks, slot = tuple(cache.block_ids), cache.slot_ids[0]
-        ranks = self.instance.ranks
+        job = _Prompt(rid, prompt, blocks, slot, request.sampling, hit, hashes)
+        if self.instance.config.transfer_mode == "layerwise":
+            return self._publish_early(job)
         try:
-            stops = {}
-            if prefix is not None:
-                bs, interval = self.instance.block_size, self.instance.config.checkpoint_interval
-                positions = checkpoint_positions(num_tokens, hit.num_tokens, bs, interval)
-                stops = checkpoint_stops(hashes, bs, positions)
-            first = self.batcher.run(
-                rid, prompt, blocks, slot, request.sampling, is_cancelled,
-                cached_tokens=hit.num_tokens,
-                restore_from=-1 if hit.checkpoint_slot is None else hit.checkpoint_slot,
-                checkpoints=stops,
-            )  # fmt: skip
-            if prefix is not None:
-                prefix.insert_prompt(hashes, blocks, len(hit.block_ids))
-            if self.instance.config.dump_dir:
-                ranks.call(Snapshot(rid, "prefill", blocks, slot, num_tokens))
+            first = self._run(job, is_cancelled)
             return self.store.publish(
                 rid, list(blocks), slot, num_tokens, first.token, first_logprob=first.logprob,
                 cached_tokens=hit.num_tokens, block_hashes=hashes,
@@ -133,11 +146,73 @@ class PrefillWorker:
         except BaseException:
             self._free(rid, slot)
             raise
+
+    def _run(self, job: _Prompt, is_cancelled: Callable[[], bool], stream_key: int = 0):
+        """Prefill `job` into its cache (publishing progress under `stream_key`); the first
+        token. The prefix cache takes the prompt's blocks; --dump-dir gets its caches."""
+        prefix, hit, num_tokens = self.instance.prefix, job.hit, len(job.prompt_ids)
+        try:
+            stops = {}
+            if prefix is not None:
+                bs, interval = self.instance.block_size, self.instance.config.checkpoint_interval
+                positions = checkpoint_positions(num_tokens, hit.num_tokens, bs, interval)
+                stops = checkpoint_stops(job.hashes, bs, positions)
+            first = self.batcher.run(
+                job.request_id, job.prompt_ids, job.block_ids, job.slot, job.sampling,
+                is_cancelled, cached_tokens=hit.num_tokens,
+                restore_from=-1 if hit.checkpoint_slot is None else hit.checkpoint_slot,
+                checkpoints=stops, stream_key=stream_key,
+            )  # fmt: skip
+            if prefix is not None:
+                prefix.insert_prompt(job.hashes, job.block_ids, len(hit.block_ids))
+            if self.instance.config.dump_dir:
+                self.instance.ranks.call(
+                    Snapshot(job.request_id, "prefill", job.block_ids, job.slot, num_tokens)
+                )
+            return first
         finally:
             if hit.checkpoint_slot is not None:
                 prefix.unpin(hit.checkpoint_slot)
             if self.metrics is not None and prefix is not None:
                 self.metrics.record_prefix(prefix.counts())
+
+    def _publish_early(self, job: _Prompt) -> Ticket:
+        """Layer-wise streaming: publish the ticket now, with a fresh key for the slot, and
+        prefill in the background; decode reads each part once the ranks publish it. A
+        failed prefill aborts the ticket, so its decode's next heartbeat fails."""
+        with self._jobs_lock:
+            key = next_key(self._keys.get(job.slot, 0))
+            self._keys[job.slot] = key
+        try:
+            ticket = self.store.publish(
+                job.request_id, list(job.block_ids), job.slot, len(job.prompt_ids), 0,
+                cached_tokens=job.hit.num_tokens, block_hashes=job.hashes, stream_key=key,
+            )  # fmt: skip
+        except BaseException:
+            self._free(job.request_id, job.slot)
+            if job.hit.checkpoint_slot is not None:
+                self.instance.prefix.unpin(job.hit.checkpoint_slot)
+            raise
+        with self._jobs_lock:
+            self._jobs[job.request_id] = job
+        thread = threading.Thread(
+            target=self._run_streamed, args=(job, key), name="prefill-stream", daemon=True
+        )
+        thread.start()
+        return ticket
+
+    def _run_streamed(self, job: _Prompt, key: int) -> None:
+        failure: BaseException | None = None
+        try:
+            self._run(job, job.cancelled.is_set, stream_key=key)
+        except BaseException as exc:  # noqa: BLE001 - reported through the ticket
+            failure = exc
+        finally:
+            job.done.set()
+        if failure is not None and not job.cancelled.is_set():
+            logger.warning("streamed prefill of %r failed: %s", job.request_id, failure)
+            with contextlib.suppress(ControlError, PdxferError):
+                self.store.abort(job.request_id, f"prefill failed: {failure}")
 
     def _drop_hit(self, rid: str, hit: PrefixHit) -> None:
         """Give back what a prefix hit took when the request could not be allocated."""
@@ -181,6 +256,11 @@ class PrefillWorker:
     def _on_free(self, ticket: Ticket, reason: FreeReason) -> None:
         if reason is not FreeReason.RELEASED:
             logger.info("request %r freed: %s", ticket.request_id, reason.value)
+        with self._jobs_lock:
+            job = self._jobs.pop(ticket.request_id, None)
+        if job is not None:  # a stream still prefilling stops at its next chunk
+            job.cancelled.set()
+            job.done.wait()
         self._free(ticket.request_id, ticket.slot_id)
 
     def _free(self, request_id: str, slot: int) -> None:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from transfer.cache.prefix_cache import PrefixCache
 from transfer.control.types import GREEDY, SamplingParams
 from transfer.errors import Cancelled, Closed, InvalidInput, PdxferError, WrongState
+from transfer.serving.checkpoints import SCAN_CHUNK_ALIGN
 from transfer.serving.commands import PrefillBatch, PrefillChunk, TokenPick
 from transfer.serving.rank_protocol import same_on_every_rank
 from transfer.serving.ranks import RankGroup
@@ -41,13 +42,21 @@ class _Prompt:
     done: int = 0  # prompt tokens already in the cache
     restore_from: int = -1  # the checkpoint slot to start from (until the first chunk ran)
     stops: dict[int, bytes] = field(default_factory=dict)  # checkpoint position -> block hash
+    stream_key: int = 0  # publish progress for a layer-wise stream under this key
     result: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
 
-    def take(self, budget: int) -> int:
-        """Tokens of the next chunk: at most `budget`, ending at the next checkpoint."""
+    def take(self, budget: int, first: bool) -> int:
+        """Tokens of the next chunk: at most `budget`, ending at the next checkpoint. A chunk
+        that stops short of the prompt's end stops at a multiple of SCAN_CHUNK_ALIGN, where
+        the chunked scans and attention tiles restart exactly as an unchunked pass would
+        (bit for bit); unless that leaves nothing and the chunk is the step's `first`."""
         end = min(len(self.prompt_ids), self.done + budget)
         stops = [p for p in self.stops if self.done < p < end]
-        return (min(stops) if stops else end) - self.done
+        end = min(stops) if stops else end
+        aligned = end - end % SCAN_CHUNK_ALIGN
+        if end < len(self.prompt_ids) and end != aligned:
+            end = aligned if aligned > self.done or not first else end
+        return end - self.done
 
 
 class PrefillBatcher:
@@ -85,13 +94,15 @@ class PrefillBatcher:
         cached_tokens: int = 0,
         restore_from: int = -1,
         checkpoints: dict[int, bytes] | None = None,
+        stream_key: int = 0,
     ) -> TokenPick:
         """Prefill the prompt into `block_ids`/`slot` (a FREE slot); the first generated
         token. Raises `Cancelled` once `is_cancelled()` is seen true between chunks; the
         slot is then part-filled and its owner releases it. A prefix hit passes its
         `cached_tokens` (already in the first blocks) and the checkpoint slot holding the
         state after them; `checkpoints` maps token positions to the hash of the block each
-        ends, whose state is saved there when the prefix cache has room."""
+        ends, whose state is saved there when the prefix cache has room. A `stream_key`
+        makes the ranks publish the prompt's progress as its layers finish."""
         if not prompt_ids:
             raise InvalidInput("prompt_ids: must not be empty")
         if not 0 <= cached_tokens < len(prompt_ids) or (cached_tokens > 0) != (restore_from >= 0):
@@ -101,7 +112,8 @@ class PrefillBatcher:
             )
         prompt = _Prompt(request_id, tuple(prompt_ids), tuple(block_ids), slot, sampling,
                          is_cancelled, cached_tokens, restore_from,
-                         dict(checkpoints or {}) if self.prefix is not None else {})  # fmt: skip
+                         dict(checkpoints or {}) if self.prefix is not None else {},
+                         stream_key=stream_key)  # fmt: skip
         with self._cond:
             if self._closed:
                 raise Closed("prefill batcher: the instance is shutting down")
@@ -144,7 +156,7 @@ class PrefillBatcher:
         """(prompt, tokens this step) in arrival order, within the token budget."""
         budget, batch = self.max_num_batched_tokens, []
         for prompt in self._queue:
-            take = prompt.take(budget)
+            take = prompt.take(budget, first=not batch)
             if take <= 0:
                 break
             batch.append((prompt, take))
@@ -155,7 +167,8 @@ class PrefillBatcher:
         saves = [self._reserve(p, n) for p, n in batch]
         chunks = tuple(
             PrefillChunk(p.prompt_ids[p.done : p.done + n], p.done, p.block_ids, p.slot,
-                         p.sampling, p.restore_from, -1 if save is None else save[1])
+                         p.sampling, p.restore_from, -1 if save is None else save[1],
+                         p.stream_key, p.done + n == len(p.prompt_ids))
             for (p, n), save in zip(batch, saves, strict=True)
         )  # fmt: skip
         begin = time.perf_counter()

@@ -21,10 +21,10 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from transfer.cache.arena import Arena
+from transfer.cache.head_units import LayoutOptions
 from transfer.cache.layout import Layout
 from transfer.control.types import SamplingParams
 from transfer.dataplane import Op, RangeBatch, make_transport, wait
@@ -38,10 +38,12 @@ from transfer.serving.commands import (
     DecodeStep,
     PrefillChunk,
     RankInfo,
+    StreamSource,
     TokenPick,
     TransferState,
     TransferStatus,
 )
+from transfer.serving.progress import entry_offset, progress_area_bytes
 from transfer.serving.spec import (
     WARMUP_BYTES,
     Copies,
@@ -49,6 +51,13 @@ from transfer.serving.spec import (
     RankSpec,
     staging_area_bytes,
 )
+from transfer.serving.staging_copies import (
+    check_copies,
+    gather_to_staging,
+    scatter_from_staging,
+)
+from transfer.serving.stream_reader import ProgressReader
+from transfer.serving.stream_writer import ProgressWriter, StreamedChunk
 from transfer.serving.verify import save_snapshot, snapshot_request
 
 logger = logging.getLogger(__name__)
@@ -59,8 +68,11 @@ class _Transfer:
     slot: int
     posted_at: float  # time.monotonic() on this rank
     scatter: Copies  # unpacks the staged part once every READ landed
+    deadline_at: float  # time.monotonic() past which no READ may still be posted
     handles: list[int] = field(default_factory=list)
     status: TransferStatus = TransferStatus(TransferState.PENDING)
+    sealed: bool = True  # a stream is sealed by its last `transfer_post`
+    reader: ProgressReader | None = None  # a stream's progress, on its reading rank
 
 
 def build_rank_worker(spec: RankSpec, group) -> RankWorker:
@@ -71,8 +83,10 @@ def build_rank_worker(spec: RankSpec, group) -> RankWorker:
 def layout_for(spec: RankSpec) -> Layout:
     staging = staging_area_bytes(spec.staging_bytes)
     return Layout.from_memplan(
-        spec.geometry, spec.tp, spec.rank, spec.plan, spec.dtypes, staging_bytes=staging
-    )
+        spec.geometry, spec.tp, spec.rank, spec.plan, spec.dtypes,
+        LayoutOptions(layer_group=spec.layer_group), staging_bytes=staging,
+        progress_bytes=progress_area_bytes(spec.plan.num_state_slots),
+    )  # fmt: skip
 
 
 class RankWorker:
@@ -96,8 +110,11 @@ class RankWorker:
         self.batch = BatchEngine(self.engine)
         self.transport = make_transport(spec.transport, spec.agent_name)
         self.metadata = self.transport.register(self.arena.buffer)
+        scribble = spec.stream_scribble_s if spec.rank == spec.tp - 1 else 0.0
+        self.progress = ProgressWriter(self.arena.buffer, self.layout, scribble)
         self.peers: dict[str, list[str]] = {}  # prefill instance -> peer name of each rank
         self.transfers: dict[str, _Transfer] = {}
+        self._instance_of: dict[str, str] = {}  # request id -> the prefill instance it reads
         # READs of failed or abandoned transfers that may still move bytes (see settled).
         self.unsettled: dict[str, list[int]] = {}
 
@@ -127,53 +144,29 @@ class RankWorker:
                 self.engine.copy_state(c.restore_from, c.slot)
         sequences = [SequenceStep(c.tokens, c.slot, c.block_ids, c.context_len) for c in chunks]
         samplers = [_sampler(c.sampling) for c in chunks]
-        output = self.batch.step(sequences, samplers, [0] * len(chunks))
+        streamed = [
+            StreamedChunk(c.slot, c.stream_key, c.context_len, c.context_len + len(c.tokens),
+                          c.block_ids, c.ends_prompt)
+            for c in chunks if c.stream_key
+        ]  # fmt: skip
+        after_layer = self.progress.after_layer(streamed)
+        output = self.batch.step(sequences, samplers, [0] * len(chunks), after_layer)
         for c in chunks:
             if c.checkpoint_to >= 0:
                 self.engine.copy_state(c.slot, c.checkpoint_to)
+        if streamed:
+            picks = [
+                (p.token, p.logprob)
+                for c, p in zip(chunks, output.picks, strict=True)
+                if c.stream_key
+            ]
+            self.progress.stepped(streamed, picks)
         return tuple(TokenPick(p.token, p.logprob) for p in output.picks)
 
     def stage_gather(self, copies: Copies) -> None:
         """Pack cache ranges back to back into this rank's staging area (`copies.dst` are
         consecutive), done before this returns: the decode side READs them next."""
-        if not len(copies):
-            return
-        from kernels import gather_ranges
-
-        start, total = self._check_copies(copies, packed="dst")
-        buffer = self.arena.buffer
-        src, lengths = torch.from_numpy(copies.src), torch.from_numpy(copies.nbytes)
-        gather_ranges(buffer, src, lengths, out=buffer[start : start + total])
-        if buffer.is_cuda:
-            torch.cuda.synchronize(buffer.device)
-
-    def _scatter(self, copies: Copies) -> None:
-        from kernels import scatter_ranges
-
-        start, total = self._check_copies(copies, packed="src")
-        buffer = self.arena.buffer
-        dst, lengths = torch.from_numpy(copies.dst), torch.from_numpy(copies.nbytes)
-        scatter_ranges(buffer[start : start + total], buffer, dst, lengths)
-
-    def _check_copies(self, copies: Copies, packed: str) -> tuple[int, int]:
-        """(start, bytes) of the packed side, which must lie in the staging area; the other
-        side must lie in the cache regions. Raises ValueError naming what is wrong."""
-        layout = self.layout
-        lengths = copies.nbytes
-        packed_at = copies.dst if packed == "dst" else copies.src
-        cache_at = copies.src if packed == "dst" else copies.dst
-        if (lengths < 1).any():
-            raise ValueError("staging copies: every length must be >= 1")
-        start, total = int(packed_at[0]), int(lengths.sum())
-        expected = start + np.concatenate(([0], np.cumsum(lengths)[:-1]))
-        if not np.array_equal(packed_at, expected):
-            raise ValueError(f"staging copies: {packed} offsets are not back to back")
-        area = (layout.staging_offset, layout.staging_offset + layout.staging_bytes)
-        if start < area[0] or start + total > area[1]:
-            raise ValueError(f"staging copies: [{start}, {start + total}) outside staging {area}")
-        if (cache_at < 0).any() or (cache_at + lengths > layout.staging_offset).any():
-            raise ValueError("staging copies: a cache range lies outside the cache regions")
-        return start, total
+        gather_to_staging(self.arena.buffer, self.layout, copies)
 
     def snapshot(
         self, request_id: str, side: str, block_ids: list[int], slot: int, num_tokens: int
@@ -197,28 +190,62 @@ class RankWorker:
         slot: int,
         block_ids: list[int],
         deadline_s: float,
+        stream: StreamSource | None = None,
     ) -> None:
-        """Mark `slot`/`block_ids` FILLING and post this rank's READs from `instance`."""
+        """Mark `slot`/`block_ids` FILLING and post this rank's READs from `instance`; a
+        `stream` stays open for `transfer_post` and reads the prefill ranks' progress."""
         if request_id in self.transfers:
             raise ValueError(f"request_id {request_id!r}: a transfer is already in flight")
         if instance not in self.peers:
             raise ValueError(f"instance {instance!r}: no handshake with it yet")
         mine = reads[self.spec.rank]
         if len(mine.scatter):
-            self._check_copies(mine.scatter, packed="src")
-        self.engine.mark_filling(slot, block_ids)
-        transfer = _Transfer(slot, time.monotonic(), mine.scatter)
-        self.transfers[request_id] = transfer
+            check_copies(self.layout, mine.scatter, packed="src")
         peers = self.peers[instance]
+        reader = None
+        if stream is not None and stream.reader_rank == self.spec.rank:
+            if len(stream.entries) != len(peers):
+                raise ValueError(f"stream.entries: {len(stream.entries)} for {len(peers)} ranks")
+            local = [entry_offset(self.layout, slot, r) for r in range(len(peers))]
+            buffer = self.arena.buffer
+            reader = ProgressReader(self.transport, peers, stream.entries, local, buffer,
+                                    deadline_s)  # fmt: skip
+        self.engine.mark_filling(slot, block_ids)
+        now = time.monotonic()
+        transfer = _Transfer(slot, now, mine.scatter, now + deadline_s, sealed=stream is None,
+                             reader=reader)  # fmt: skip
+        self.transfers[request_id] = transfer
         try:
-            for reads_from in mine.batches:
-                batch = RangeBatch(reads_from.local, reads_from.remote, reads_from.nbytes)
-                peer = peers[reads_from.prefill_rank]
-                handle = self.transport.post(Op.READ, peer, batch, deadline_s=deadline_s)
-                transfer.handles.append(handle)
+            self._post(transfer, peers, mine)
+            if reader is not None:
+                reader.advance()
         except Exception:
             self.transfer_end(request_id)
             raise
+        self._instance_of[request_id] = instance
+
+    def transfer_post(self, request_id: str, reads: tuple[RankReads, ...], last: bool) -> None:
+        """Post more READs of an open stream; `last` seals it."""
+        transfer = self._transfer(request_id)
+        if transfer.sealed:
+            raise ValueError(f"request_id {request_id!r}: the transfer is not an open stream")
+        peers = self.peers[self._instance_of[request_id]]
+        self._post(transfer, peers, reads[self.spec.rank])
+        if last:
+            transfer.sealed = True
+            if transfer.reader is not None:
+                transfer.handles.extend(transfer.reader.stop())
+                transfer.reader = None
+
+    def _post(self, transfer: _Transfer, peers: list[str], mine: RankReads) -> None:
+        deadline_s = transfer.deadline_at - time.monotonic()
+        if deadline_s <= 0 and mine.batches:
+            raise ValueError("transfer: past its deadline, no READ may be posted")
+        for reads_from in mine.batches:
+            batch = RangeBatch(reads_from.local, reads_from.remote, reads_from.nbytes)
+            peer = peers[reads_from.prefill_rank]
+            handle = self.transport.post(Op.READ, peer, batch, deadline_s=deadline_s)
+            transfer.handles.append(handle)
 
     def transfer_poll(self, request_id: str) -> TransferStatus:
         """Once DONE the slot is READY. A finished transfer keeps its status until
@@ -237,13 +264,23 @@ class RankWorker:
             return
         statuses = [self.transport.poll(handle) for handle in transfer.handles]
         reasons = [s.reason for s in statuses if s.failed]
+        reader = transfer.reader
+        if reader is not None:
+            reader.advance()
+            if reader.failure:
+                reasons.append(reader.failure)
         if reasons:
             # Handles stay: a failed READ may still land (NIXL cannot cancel one in flight).
+            if reader is not None:
+                transfer.handles.extend(reader.stop())
             transfer.status = TransferStatus(TransferState.FAILED, reason="; ".join(reasons))
+        elif not transfer.sealed:
+            if reader is not None:
+                transfer.status = TransferStatus(TransferState.PENDING, progress=reader.words)
         elif not any(s.pending for s in statuses):
             self._drop_handles(transfer)
             if len(transfer.scatter):
-                self._scatter(transfer.scatter)
+                scatter_from_staging(self.arena.buffer, self.layout, transfer.scatter)
             seconds = time.monotonic() - transfer.posted_at
             self.engine.mark_ready(transfer.slot)
             transfer.status = TransferStatus(TransferState.DONE, seconds)
@@ -253,6 +290,9 @@ class RankWorker:
         and blocks may be reused; otherwise keep polling with `transfer_settled`. A slot
         whose transfer did not finish stays FILLING until `release`."""
         transfer = self.transfers.pop(request_id, None)
+        self._instance_of.pop(request_id, None)
+        if transfer is not None and transfer.reader is not None:
+            transfer.handles.extend(transfer.reader.stop())
         if transfer is not None and transfer.handles:
             self.unsettled[request_id] = list(transfer.handles)
             transfer.handles.clear()

@@ -247,6 +247,8 @@ def instance_config(options: ServeOptions):
         prefix_cache=options.prefix_cache,
         state_checkpoints=options.state_checkpoints,
         checkpoint_interval=options.checkpoint_interval,
+        transfer_mode=options.transfer_mode,
+        stream_layers=options.stream_layers,
         min_block_size=options.block_size,
         seed=options.seed,
         dump_dir=options.dump_dir,
@@ -283,7 +285,7 @@ def _serve_worker(
         return _serve_follower(options, config, instance, token, server_tls, stop)
     metrics = WorkerMetrics()
     metrics.track_pools(
-        kv_blocks_free=lambda: instance.pools.blocks.num_free,
+        kv_blocks_free=lambda: instance.free_kv_blocks,
         kv_blocks_total=lambda: instance.pools.blocks.num_total,
         state_slots_free=lambda: instance.pools.slots.num_free,
         state_slots_total=lambda: instance.pools.slots.num_total,

@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from transfer.serving.checkpoints import DEFAULT_STATE_CHECKPOINTS
+from transfer.serving.progress import DEFAULT_STREAM_LAYERS
 
 
 @dataclass(frozen=True)
@@ -36,9 +37,11 @@ class ServeOptions:
     max_queue: int = 32
     staging_mib: int = 8
     staging_min_ranges: int = 8
-    prefix_cache: bool = False
+    prefix_cache: bool = True
     state_checkpoints: int = DEFAULT_STATE_CHECKPOINTS
     checkpoint_interval: int = 0
+    transfer_mode: str = "whole"
+    stream_layers: int = DEFAULT_STREAM_LAYERS
     block_size: int = 16
     lease_seconds: float = 30.0
     seed: int = 0

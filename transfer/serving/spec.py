@@ -42,6 +42,8 @@ class RankSpec:
     dump_dir: str | None = None
     staging_bytes: int = 0  # the pool for staged transfers, besides the warm-up target
     env: tuple[tuple[str, str], ...] = ()  # set before the transport starts (UCX_NET_DEVICES)
+    layer_group: int = 0  # LayoutOptions.layer_group: the layer-wise stream's groups
+    stream_scribble_s: float = 0.0  # tests: the last rank scribbles each group this long
 
     @property
     def agent_name(self) -> str:

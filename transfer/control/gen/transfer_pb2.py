@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdxfer/v1/transfer.proto\x12\tpdxfer.v1\"\xfe\x01\n\x06Ticket\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x11\n\tblock_ids\x18\x04 \x03(\x03\x12\x0f\n\x07slot_id\x18\x05 \x01(\x03\x12\x12\n\nnum_tokens\x18\x06 \x01(\x03\x12\x13\n\x0b\x66irst_token\x18\x07 \x01(\x03\x12\x16\n\x0elease_deadline\x18\x08 \x01(\x01\x12\x15\n\rfirst_logprob\x18\t \x01(\x01\x12\x11\n\tabort_key\x18\n \x01(\t\x12\x15\n\rcached_tokens\x18\x0b \x01(\x03\x12\x14\n\x0c\x62lock_hashes\x18\x0c \x03(\x0c\"\xa4\x01\n\x10HandshakeRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x37\n\x06\x63ompat\x18\x02 \x03(\x0b\x32\'.pdxfer.v1.HandshakeRequest.CompatEntry\x12\x13\n\x0b\x63ompat_hash\x18\x03 \x01(\t\x1a-\n\x0b\x43ompatEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xcd\x01\n\x0eHandshakeReply\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x35\n\x06\x63ompat\x18\x02 \x03(\x0b\x32%.pdxfer.v1.HandshakeReply.CompatEntry\x12\x13\n\x0b\x63ompat_hash\x18\x03 \x01(\t\x12\x15\n\rrank_metadata\x18\x04 \x03(\x0c\x12\x14\n\x0crank_layouts\x18\x05 \x03(\x0c\x1a-\n\x0b\x43ompatEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"4\n\x0e\x41\x63quireRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06holder\x18\x02 \x01(\t\"6\n\x10HeartbeatRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06holder\x18\x02 \x01(\t\"(\n\x0eHeartbeatReply\x12\x16\n\x0elease_deadline\x18\x01 \x01(\x01\"X\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06holder\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\x03\x12\x0f\n\x07slot_id\x18\x04 \x01(\x03\"\x0e\n\x0cReleaseReply\"E\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x11\n\tabort_key\x18\x03 \x01(\t\"\x0c\n\nAbortReply\"2\n\nRankGather\x12\x13\n\x0bsrc_offsets\x18\x01 \x03(\x03\x12\x0f\n\x07lengths\x18\x02 \x03(\x03\"X\n\x0cStageRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06holder\x18\x02 \x01(\t\x12$\n\x05ranks\x18\x03 \x03(\x0b\x32\x15.pdxfer.v1.RankGather\"$\n\nStageReply\x12\x16\n\x0estaging_offset\x18\x01 \x01(\x03\x32\x85\x03\n\x0fTransferService\x12\x43\n\tHandshake\x12\x1b.pdxfer.v1.HandshakeRequest\x1a\x19.pdxfer.v1.HandshakeReply\x12\x37\n\x07\x41\x63quire\x12\x19.pdxfer.v1.AcquireRequest\x1a\x11.pdxfer.v1.Ticket\x12\x43\n\tHeartbeat\x12\x1b.pdxfer.v1.HeartbeatRequest\x1a\x19.pdxfer.v1.HeartbeatReply\x12=\n\x07Release\x12\x19.pdxfer.v1.ReleaseRequest\x1a\x17.pdxfer.v1.ReleaseReply\x12\x37\n\x05\x41\x62ort\x12\x17.pdxfer.v1.AbortRequest\x1a\x15.pdxfer.v1.AbortReply\x12\x37\n\x05Stage\x12\x17.pdxfer.v1.StageRequest\x1a\x15.pdxfer.v1.StageReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdxfer/v1/transfer.proto\x12\tpdxfer.v1\"\x92\x02\n\x06Ticket\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x11\n\tblock_ids\x18\x04 \x03(\x03\x12\x0f\n\x07slot_id\x18\x05 \x01(\x03\x12\x12\n\nnum_tokens\x18\x06 \x01(\x03\x12\x13\n\x0b\x66irst_token\x18\x07 \x01(\x03\x12\x16\n\x0elease_deadline\x18\x08 \x01(\x01\x12\x15\n\rfirst_logprob\x18\t \x01(\x01\x12\x11\n\tabort_key\x18\n \x01(\t\x12\x15\n\rcached_tokens\x18\x0b \x01(\x03\x12\x14\n\x0c\x62lock_hashes\x18\x0c \x03(\x0c\x12\x12\n\nstream_key\x18\r \x01(\x04\"\xa4\x01\n\x10HandshakeRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x37\n\x06\x63ompat\x18\x02 \x03(\x0b\x32\'.pdxfer.v1.HandshakeRequest.CompatEntry\x12\x13\n\x0b\x63ompat_hash\x18\x03 \x01(\t\x1a-\n\x0b\x43ompatEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xcd\x01\n\x0eHandshakeReply\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x35\n\x06\x63ompat\x18\x02 \x03(\x0b\x32%.pdxfer.v1.HandshakeReply.CompatEntry\x12\x13\n\x0b\x63ompat_hash\x18\x03 \x01(\t\x12\x15\n\rrank_metadata\x18\x04 \x03(\x0c\x12\x14\n\x0crank_layouts\x18\x05 \x03(\x0c\x1a-\n\x0b\x43ompatEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"4\n\x0e\x41\x63quireRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06holder\x18\x02 \x01(\t\"6\n\x10HeartbeatRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06holder\x18\x02 \x01(\t\"(\n\x0eHeartbeatReply\x12\x16\n\x0elease_deadline\x18\x01 \x01(\x01\"X\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06holder\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\x03\x12\x0f\n\x07slot_id\x18\x04 \x01(\x03\"\x0e\n\x0cReleaseReply\"E\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x11\n\tabort_key\x18\x03 \x01(\t\"\x0c\n\nAbortReply\"2\n\nRankGather\x12\x13\n\x0bsrc_offsets\x18\x01 \x03(\x03\x12\x0f\n\x07lengths\x18\x02 \x03(\x03\"X\n\x0cStageRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06holder\x18\x02 \x01(\t\x12$\n\x05ranks\x18\x03 \x03(\x0b\x32\x15.pdxfer.v1.RankGather\"$\n\nStageReply\x12\x16\n\x0estaging_offset\x18\x01 \x01(\x03\x32\x85\x03\n\x0fTransferService\x12\x43\n\tHandshake\x12\x1b.pdxfer.v1.HandshakeRequest\x1a\x19.pdxfer.v1.HandshakeReply\x12\x37\n\x07\x41\x63quire\x12\x19.pdxfer.v1.AcquireRequest\x1a\x11.pdxfer.v1.Ticket\x12\x43\n\tHeartbeat\x12\x1b.pdxfer.v1.HeartbeatRequest\x1a\x19.pdxfer.v1.HeartbeatReply\x12=\n\x07Release\x12\x19.pdxfer.v1.ReleaseRequest\x1a\x17.pdxfer.v1.ReleaseReply\x12\x37\n\x05\x41\x62ort\x12\x17.pdxfer.v1.AbortRequest\x1a\x15.pdxfer.v1.AbortReply\x12\x37\n\x05Stage\x12\x17.pdxfer.v1.StageRequest\x1a\x15.pdxfer.v1.StageReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,35 +36,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HANDSHAKEREPLY_COMPATENTRY']._loaded_options = None
   _globals['_HANDSHAKEREPLY_COMPATENTRY']._serialized_options = b'8\001'
   _globals['_TICKET']._serialized_start=40
-  _globals['_TICKET']._serialized_end=294
-  _globals['_HANDSHAKEREQUEST']._serialized_start=297
-  _globals['_HANDSHAKEREQUEST']._serialized_end=461
-  _globals['_HANDSHAKEREQUEST_COMPATENTRY']._serialized_start=416
-  _globals['_HANDSHAKEREQUEST_COMPATENTRY']._serialized_end=461
-  _globals['_HANDSHAKEREPLY']._serialized_start=464
-  _globals['_HANDSHAKEREPLY']._serialized_end=669
-  _globals['_HANDSHAKEREPLY_COMPATENTRY']._serialized_start=416
-  _globals['_HANDSHAKEREPLY_COMPATENTRY']._serialized_end=461
-  _globals['_ACQUIREREQUEST']._serialized_start=671
-  _globals['_ACQUIREREQUEST']._serialized_end=723
-  _globals['_HEARTBEATREQUEST']._serialized_start=725
-  _globals['_HEARTBEATREQUEST']._serialized_end=779
-  _globals['_HEARTBEATREPLY']._serialized_start=781
-  _globals['_HEARTBEATREPLY']._serialized_end=821
-  _globals['_RELEASEREQUEST']._serialized_start=823
-  _globals['_RELEASEREQUEST']._serialized_end=911
-  _globals['_RELEASEREPLY']._serialized_start=913
-  _globals['_RELEASEREPLY']._serialized_end=927
-  _globals['_ABORTREQUEST']._serialized_start=929
-  _globals['_ABORTREQUEST']._serialized_end=998
-  _globals['_ABORTREPLY']._serialized_start=1000
-  _globals['_ABORTREPLY']._serialized_end=1012
-  _globals['_RANKGATHER']._serialized_start=1014
-  _globals['_RANKGATHER']._serialized_end=1064
-  _globals['_STAGEREQUEST']._serialized_start=1066
-  _globals['_STAGEREQUEST']._serialized_end=1154
-  _globals['_STAGEREPLY']._serialized_start=1156
-  _globals['_STAGEREPLY']._serialized_end=1192
-  _globals['_TRANSFERSERVICE']._serialized_start=1195
-  _globals['_TRANSFERSERVICE']._serialized_end=1584
+  _globals['_TICKET']._serialized_end=314
+  _globals['_HANDSHAKEREQUEST']._serialized_start=317
+  _globals['_HANDSHAKEREQUEST']._serialized_end=481
+  _globals['_HANDSHAKEREQUEST_COMPATENTRY']._serialized_start=436
+  _globals['_HANDSHAKEREQUEST_COMPATENTRY']._serialized_end=481
+  _globals['_HANDSHAKEREPLY']._serialized_start=484
+  _globals['_HANDSHAKEREPLY']._serialized_end=689
+  _globals['_HANDSHAKEREPLY_COMPATENTRY']._serialized_start=436
+  _globals['_HANDSHAKEREPLY_COMPATENTRY']._serialized_end=481
+  _globals['_ACQUIREREQUEST']._serialized_start=691
+  _globals['_ACQUIREREQUEST']._serialized_end=743
+  _globals['_HEARTBEATREQUEST']._serialized_start=745
+  _globals['_HEARTBEATREQUEST']._serialized_end=799
+  _globals['_HEARTBEATREPLY']._serialized_start=801
+  _globals['_HEARTBEATREPLY']._serialized_end=841
+  _globals['_RELEASEREQUEST']._serialized_start=843
+  _globals['_RELEASEREQUEST']._serialized_end=931
+  _globals['_RELEASEREPLY']._serialized_start=933
+  _globals['_RELEASEREPLY']._serialized_end=947
+  _globals['_ABORTREQUEST']._serialized_start=949
+  _globals['_ABORTREQUEST']._serialized_end=1018
+  _globals['_ABORTREPLY']._serialized_start=1020
+  _globals['_ABORTREPLY']._serialized_end=1032
+  _globals['_RANKGATHER']._serialized_start=1034
+  _globals['_RANKGATHER']._serialized_end=1084
+  _globals['_STAGEREQUEST']._serialized_start=1086
+  _globals['_STAGEREQUEST']._serialized_end=1174
+  _globals['_STAGEREPLY']._serialized_start=1176
+  _globals['_STAGEREPLY']._serialized_end=1212
+  _globals['_TRANSFERSERVICE']._serialized_start=1215
+  _globals['_TRANSFERSERVICE']._serialized_end=1604
 # @@protoc_insertion_point(module_scope)

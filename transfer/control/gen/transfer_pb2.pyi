@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Ticket(_message.Message):
-    __slots__ = ("request_id", "instance_id", "address", "block_ids", "slot_id", "num_tokens", "first_token", "lease_deadline", "first_logprob", "abort_key", "cached_tokens", "block_hashes")
+    __slots__ = ("request_id", "instance_id", "address", "block_ids", "slot_id", "num_tokens", "first_token", "lease_deadline", "first_logprob", "abort_key", "cached_tokens", "block_hashes", "stream_key")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +20,7 @@ class Ticket(_message.Message):
     ABORT_KEY_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    STREAM_KEY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     instance_id: str
     address: str
@@ -32,7 +33,8 @@ class Ticket(_message.Message):
     abort_key: str
     cached_tokens: int
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, request_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., slot_id: _Optional[int] = ..., num_tokens: _Optional[int] = ..., first_token: _Optional[int] = ..., lease_deadline: _Optional[float] = ..., first_logprob: _Optional[float] = ..., abort_key: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    stream_key: int
+    def __init__(self, request_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., slot_id: _Optional[int] = ..., num_tokens: _Optional[int] = ..., first_token: _Optional[int] = ..., lease_deadline: _Optional[float] = ..., first_logprob: _Optional[float] = ..., abort_key: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., stream_key: _Optional[int] = ...) -> None: ...
 
 class HandshakeRequest(_message.Message):
     __slots__ = ("instance_id", "compat", "compat_hash")

@@ -62,7 +62,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ...) -> None: ...
 
 class TokenEvent(_message.Message):
-    __slots__ = ("request_id", "token", "index", "finished", "ttft_ms", "transfer_ms", "kv_bytes", "state_bytes", "descriptors", "logprob", "cached_prompt_tokens", "reused_decode_tokens")
+    __slots__ = ("request_id", "token", "index", "finished", "ttft_ms", "transfer_ms", "kv_bytes", "state_bytes", "descriptors", "logprob", "cached_prompt_tokens", "reused_decode_tokens", "exposed_transfer_ms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +75,7 @@ class TokenEvent(_message.Message):
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REUSED_DECODE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EXPOSED_TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token: int
     index: int
@@ -87,4 +88,5 @@ class TokenEvent(_message.Message):
     logprob: float
     cached_prompt_tokens: int
     reused_decode_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., token: _Optional[int] = ..., index: _Optional[int] = ..., finished: _Optional[bool] = ..., ttft_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., state_bytes: _Optional[int] = ..., descriptors: _Optional[int] = ..., logprob: _Optional[float] = ..., cached_prompt_tokens: _Optional[int] = ..., reused_decode_tokens: _Optional[int] = ...) -> None: ...
+    exposed_transfer_ms: float
+    def __init__(self, request_id: _Optional[str] = ..., token: _Optional[int] = ..., index: _Optional[int] = ..., finished: _Optional[bool] = ..., ttft_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., state_bytes: _Optional[int] = ..., descriptors: _Optional[int] = ..., logprob: _Optional[float] = ..., cached_prompt_tokens: _Optional[int] = ..., reused_decode_tokens: _Optional[int] = ..., exposed_transfer_ms: _Optional[float] = ...) -> None: ...

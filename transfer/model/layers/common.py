@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from transfer.model.caches import CacheAccess
+
+# Called with a cache-bearing layer's index once a step has written that layer's caches.
+AfterLayer = Callable[[int], None]
 
 
 @dataclass(frozen=True)

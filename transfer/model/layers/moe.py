@@ -53,4 +53,7 @@ class SparseMoE:
             gate, up = (x[tokens] @ self.gate_up[e].T).chunk(2, dim=-1)
             y = (F.silu(gate) * up) @ self.down[e].T
             out.index_add_(0, tokens, y * weights[tokens, slot, None])
-        return out + torch.sigmoid(x @ self.shared_gate.T) * self.shared(x)
+        # A row-wise sum, not a one-column GEMM: a GEMV's rows change with the row count
+        # (transfer/model/row_invariant.py), a sum's do not.
+        shared_gate = (x * self.shared_gate).sum(dim=-1, keepdim=True)
+        return out + torch.sigmoid(shared_gate) * self.shared(x)

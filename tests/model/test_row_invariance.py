@@ -1,0 +1,60 @@
+"""A prefill split at an aligned position leaves the caches of one pass over the whole
+prompt, bit for bit, whatever the suffix's length: what a prefix-cache hit relies on
+(docs/prefix-cache.md). Without `row_invariant` a suffix of a few rows took another GEMM
+kernel and its caches differed in their last bits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.model.batching_support import (
+    ARCHS,
+    BLOCK_SIZE,
+    build_model,
+    engines,
+    random_prompt,
+    request_caches,
+    save_checkpoint,
+)
+from transfer.model.batch import SequenceStep
+from transfer.model.distributed import TPGroup
+from transfer.model.row_invariant import MIN_GEMM_ROWS, row_invariant
+
+SPLIT = 64  # a checkpoint position: a multiple of the scan chunk and of the block size
+
+
+@pytest.mark.parametrize("k, n", [(16, 2), (64, 128), (256, 512), (512, 64), (128, 1024)])
+def test_a_short_gemm_gives_the_rows_of_a_long_one(k, n):
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(k * n)
+    w, x = torch.randn(n, k, generator=gen), torch.randn(4 * MIN_GEMM_ROWS, k, generator=gen)
+    long = x @ w.T
+    with row_invariant(True):
+        for rows in range(1, MIN_GEMM_ROWS):
+            assert torch.equal(x[:rows] @ w.T, long[:rows]), rows
+            assert torch.equal(F.linear(x[:rows], w), long[:rows]), rows
+            assert torch.equal(torch.matmul(x[-rows:], w.T), long[-rows:]), rows
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def model(request, tmp_path_factory):
+    torch.set_num_threads(1)
+    directory = tmp_path_factory.mktemp(request.param)
+    save_checkpoint(request.param, directory)
+    return build_model(request.param, directory, TPGroup.single())
+
+
+@pytest.mark.parametrize("suffix", [1, 2, 3, 5, 17, 69])
+def test_a_prompt_resumed_at_an_aligned_position_leaves_the_caches_of_one_pass(model, suffix):
+    prompt = random_prompt(model.geometry.vocab_size, SPLIT + suffix)
+    blocks = list(range(-(-len(prompt) // BLOCK_SIZE)))
+    whole = engines(model, num_slots=1)
+    whole.batch.step([SequenceStep(prompt, 0, blocks)])
+    split = engines(model, num_slots=1)
+    split.batch.step([SequenceStep(prompt[:SPLIT], 0, blocks)])
+    split.batch.step([SequenceStep(prompt[SPLIT:], 0, blocks, SPLIT)])
+    want = request_caches(whole.caches, 0, blocks, len(prompt))
+    got = request_caches(split.caches, 0, blocks, len(prompt))
+    assert [key for key in want if not torch.equal(want[key], got[key])] == []
