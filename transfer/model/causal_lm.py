@@ -13,7 +13,7 @@ from transfer.model.batch import Batch
 from transfer.model.distributed import TPGroup
 from transfer.model.layers.common import AfterLayer, Step
 from transfer.model.layers.norms import rms_normalize
-from transfer.model.row_invariant import row_invariant
+from transfer.model.row_invariant import linear, row_invariant
 
 
 class Residual:
@@ -83,7 +83,7 @@ class CausalLM:
                     after_layer(sublayer.layer)
             if not all_logits:
                 x = x[batch.last_tokens]
-            return (rms_normalize(x, self.eps) * self.norm) @ self.lm_head.T
+            return linear(rms_normalize(x, self.eps) * self.norm, self.lm_head)
 
     def forward(self, token_ids: torch.Tensor, step: Step, all_logits: bool = False):
         """token_ids [T] -> fp32 logits [vocab] of the last token ([T, vocab] if all_logits)."""

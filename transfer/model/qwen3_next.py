@@ -25,7 +25,7 @@ from transfer.model.layers.norms import offset_rms_norm
 from transfer.model.layers.rope import PartialRope
 from transfer.model.qwen_config import QwenConfig, qwen_config
 from transfer.model.rank_weights import RankWeights
-from transfer.model.row_invariant import row_invariant
+from transfer.model.row_invariant import linear, row_invariant
 from transfer.presets import from_hf_dict
 
 
@@ -116,7 +116,7 @@ class QwenHybridLM:
         return self.tp.all_reduce_(x)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        partial = x @ self.lm_head.T
+        partial = linear(x, self.lm_head)
         if not self.vocab_split:
             return partial
         logits = x.new_zeros(x.shape[0], self.config.vocab_size)

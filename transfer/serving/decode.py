@@ -6,6 +6,9 @@ the packer (asking the prefill instance to pack many small ranges into staging f
 `reads.py`), post them (slot FILLING), poll until every rank is DONE (slot READY; the lease
 is heartbeated meanwhile), Release the ticket, then decode step by step from the
 transferred state. Any failure Aborts the ticket and frees everything taken here.
+
+A streamed ticket (layer-wise, `stream_key`) arrives before its prefill has run: the READs
+are planned part by part as the prefill ranks publish them (`stream.py`), never staged.
 """
 
 from __future__ import annotations
@@ -57,6 +60,9 @@ HANDSHAKE_TIMEOUT_S = 10.0
 ACQUIRED_WAIT_S = 5.0  # longest wait for room while holding a ticket
 SETTLE_POLL_S = 0.5  # how often held caches of failed transfers are checked
 STREAM_HEARTBEAT_S = 0.5  # a stream's heartbeats also notice a failed prefill this soon
+# A stream polls this often until its prefill has finished: each poll is a rank command and
+# a progress READ, and on a shared CPU they slow the prefill they wait for.
+STREAM_POLL_S = 0.002
 
 
 @dataclass(frozen=True)
@@ -64,7 +70,8 @@ class Pulled:
     """A finished transfer into this instance."""
 
     seconds: float  # posting to done, the slowest rank
-    exposed_s: float  # a stream's: prefill finished to done
+    exposed_s: float  # what TTFT saw: from prefill finishing (a stream) or the ticket's
+    # arrival (a whole transfer, which plans, stages and reads only then) to done
     kv_bytes: int
     state_bytes: int
     descriptors: int
@@ -214,13 +221,11 @@ class DecodeWorker:
         try:
             prompt_blocks = blocks[: self.instance.layouts[0].blocks_for(ticket.num_tokens)]
             reused = len(held) * self.instance.block_size
-            pulled = self._pull(peer, ticket, prompt_blocks, len(held), slot, reused)
-            # A whole transfer exposes all of its steps from the ticket's arrival on.
-            exposed_s = pulled.exposed_s if ticket.stream_key else time.perf_counter() - start
+            pulled = self._pull(peer, ticket, prompt_blocks, len(held), slot, reused, start)
             if self.metrics is not None:
                 moved = {"kv": pulled.kv_bytes, "state": pulled.state_bytes}
                 self.metrics.record_transfer(
-                    "done", pulled.seconds, moved, pulled.descriptors, exposed_s
+                    "done", pulled.seconds, moved, pulled.descriptors, pulled.exposed_s
                 )
             self.instance.staging.free(rid)  # every READ landed and was unpacked
             if prefix is not None:
@@ -242,7 +247,7 @@ class DecodeWorker:
                 logprob=pulled.first_logprob,
                 cached_prompt_tokens=ticket.cached_tokens,
                 reused_decode_tokens=reused,
-                exposed_transfer_ms=exposed_s * 1e3,
+                exposed_transfer_ms=pulled.exposed_s * 1e3,
             )
             first = DecodeStep(
                 pulled.first_token, ticket.num_tokens, blocks, slot, request.sampling, 1
@@ -320,10 +325,11 @@ class DecodeWorker:
 
     def _pull(
         self, peer: Peer, ticket: Ticket, blocks: tuple[int, ...], held: int, slot: int,
-        reused: int,
+        reused: int, arrived: float,
     ) -> Pulled:  # fmt: skip
         """Read the ticket's cache (the KV after the first `held` of `blocks`, which this
-        instance already holds, and the state) into `blocks` and `slot`."""
+        instance already holds, and the state) into `blocks` and `slot`. `arrived`: when
+        the ticket came (time.perf_counter())."""
         request = transfer_request(ticket, blocks, slot)
         # Only the blocks being read are FILLING: the held ones are shared, read-only.
         new_blocks = blocks[held:]
@@ -333,8 +339,10 @@ class DecodeWorker:
                 reused_tokens=reused, whole=self.instance.config.transfer_mode == "whole",
             )  # fmt: skip
             source = StreamSource(progress_entries(peer.layouts, ticket.slot_id))
-            none = tuple(RankReads(()) for _ in self.instance.layouts)
-            seconds, exposed = self._transfer(peer, ticket, none, new_blocks, slot, planner, source)
+            no_reads = tuple(RankReads(()) for _ in self.instance.layouts)
+            seconds, exposed = self._transfer(
+                peer, ticket, no_reads, new_blocks, slot, planner, source
+            )
             token, logprob = planner.first_pick
             return Pulled(seconds, exposed, planner.kv_bytes, planner.state_bytes,
                           planner.descriptors, token, logprob)  # fmt: skip
@@ -350,7 +358,8 @@ class DecodeWorker:
             reused_tokens=reused,
         )
         seconds, _ = self._transfer(peer, ticket, reads.per_rank, new_blocks, slot)
-        return Pulled(seconds, seconds, reads.kv_bytes, reads.state_bytes, reads.descriptors,
+        exposed = time.perf_counter() - arrived
+        return Pulled(seconds, exposed, reads.kv_bytes, reads.state_bytes, reads.descriptors,
                       ticket.first_token, ticket.first_logprob)  # fmt: skip
 
     def _transfer(
@@ -363,14 +372,14 @@ class DecodeWorker:
         planner: StreamPlanner | None = None,
         source: StreamSource | None = None,
     ) -> tuple[float, float]:
-        """Post every rank's READs and poll them to DONE; (seconds taken: the slowest
-        rank's, from posting to done, as the rank measured it; seconds exposed: a stream's,
-        from the poll that saw prefill finished to done, else the seconds taken). A stream (`planner` and
-        `source`) posts more READs as the prefill ranks publish progress. Heartbeats keep
-        the lease while waiting, and tell a stream early that its prefill failed; the
-        transfer deadline bounds the heartbeats too. Raises TransferFailed or the
-        heartbeat's ControlError; the caller's `_return_cache` decides whether the cache
-        can go back."""
+        """Post every rank's READs and poll them to DONE; (seconds taken, the slowest
+        rank's from posting to done as the rank measured it; a stream's seconds from the
+        poll that saw prefill finished to done, else the seconds taken). A stream
+        (`planner` and `source`) posts more READs as the prefill ranks publish progress.
+        Heartbeats keep the lease while waiting, and tell a stream early that its prefill
+        failed; the transfer deadline bounds the heartbeats too. Raises TransferFailed or
+        the heartbeat's ControlError; the caller's `_return_cache` decides whether the
+        cache can go back."""
         ranks, rid = self.instance.ranks, ticket.request_id
         heartbeat_every = self.heartbeat_s or max(0.2, (ticket.lease_deadline - time.time()) / 3)
         if planner is not None:
@@ -400,6 +409,7 @@ class DecodeWorker:
                         finished_at = polled_at
                     if more is not None or planner.complete:
                         sealed = planner.complete
+                        # `reads`: a stream starts with none, so it seals with none
                         ranks.call(TransferPost(rid, more or reads, sealed))
                 elif all(s.state is TransferState.DONE for s in statuses):
                     failure, seconds = "", max(s.seconds for s in statuses)
@@ -411,7 +421,8 @@ class DecodeWorker:
                 if time.perf_counter() - last_beat > heartbeat_every:
                     peer.client.heartbeat(rid, self.instance_id, timeout_s=left)
                     last_beat = time.perf_counter()
-                time.sleep(POLL_INTERVAL_S)
+                waiting = planner is not None and finished_at is None
+                time.sleep(STREAM_POLL_S if waiting else POLL_INTERVAL_S)
         finally:
             seconds = seconds or time.perf_counter() - begin
             if failure and self.metrics is not None:

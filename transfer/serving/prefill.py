@@ -41,6 +41,7 @@ from transfer.serving.spec import Copies
 logger = logging.getLogger(__name__)
 
 NO_HIT = PrefixHit((), None, 0)
+JOB_WAIT_LOG_S = 30.0  # a freed stream whose prefill has not stopped yet is logged this often
 
 
 @dataclass(eq=False)
@@ -183,18 +184,20 @@ class PrefillWorker:
         with self._jobs_lock:
             key = next_key(self._keys.get(job.slot, 0))
             self._keys[job.slot] = key
+            # before the ticket exists: an Abort right after publishing must find the job
+            self._jobs[job.request_id] = job
         try:
             ticket = self.store.publish(
                 job.request_id, list(job.block_ids), job.slot, len(job.prompt_ids), 0,
                 cached_tokens=job.hit.num_tokens, block_hashes=job.hashes, stream_key=key,
             )  # fmt: skip
         except BaseException:
+            with self._jobs_lock:
+                self._jobs.pop(job.request_id, None)
             self._free(job.request_id, job.slot)
             if job.hit.checkpoint_slot is not None:
                 self.instance.prefix.unpin(job.hit.checkpoint_slot)
             raise
-        with self._jobs_lock:
-            self._jobs[job.request_id] = job
         thread = threading.Thread(
             target=self._run_streamed, args=(job, key), name="prefill-stream", daemon=True
         )
@@ -260,7 +263,8 @@ class PrefillWorker:
             job = self._jobs.pop(ticket.request_id, None)
         if job is not None:  # a stream still prefilling stops at its next chunk
             job.cancelled.set()
-            job.done.wait()
+            while not job.done.wait(JOB_WAIT_LOG_S):
+                logger.warning("request %r: waiting for its prefill to stop", ticket.request_id)
         self._free(ticket.request_id, ticket.slot_id)
 
     def _free(self, request_id: str, slot: int) -> None:

@@ -69,6 +69,7 @@ class _Transfer:
     posted_at: float  # time.monotonic() on this rank
     scatter: Copies  # unpacks the staged part once every READ landed
     deadline_at: float  # time.monotonic() past which no READ may still be posted
+    instance: str  # the prefill instance it reads from
     handles: list[int] = field(default_factory=list)
     status: TransferStatus = TransferStatus(TransferState.PENDING)
     sealed: bool = True  # a stream is sealed by its last `transfer_post`
@@ -114,7 +115,6 @@ class RankWorker:
         self.progress = ProgressWriter(self.arena.buffer, self.layout, scribble)
         self.peers: dict[str, list[str]] = {}  # prefill instance -> peer name of each rank
         self.transfers: dict[str, _Transfer] = {}
-        self._instance_of: dict[str, str] = {}  # request id -> the prefill instance it reads
         # READs of failed or abandoned transfers that may still move bytes (see settled).
         self.unsettled: dict[str, list[int]] = {}
 
@@ -212,8 +212,8 @@ class RankWorker:
                                     deadline_s)  # fmt: skip
         self.engine.mark_filling(slot, block_ids)
         now = time.monotonic()
-        transfer = _Transfer(slot, now, mine.scatter, now + deadline_s, sealed=stream is None,
-                             reader=reader)  # fmt: skip
+        transfer = _Transfer(slot, now, mine.scatter, now + deadline_s, instance,
+                             sealed=stream is None, reader=reader)  # fmt: skip
         self.transfers[request_id] = transfer
         try:
             self._post(transfer, peers, mine)
@@ -222,14 +222,13 @@ class RankWorker:
         except Exception:
             self.transfer_end(request_id)
             raise
-        self._instance_of[request_id] = instance
 
     def transfer_post(self, request_id: str, reads: tuple[RankReads, ...], last: bool) -> None:
         """Post more READs of an open stream; `last` seals it."""
         transfer = self._transfer(request_id)
         if transfer.sealed:
             raise ValueError(f"request_id {request_id!r}: the transfer is not an open stream")
-        peers = self.peers[self._instance_of[request_id]]
+        peers = self.peers[transfer.instance]
         self._post(transfer, peers, reads[self.spec.rank])
         if last:
             transfer.sealed = True
@@ -290,7 +289,6 @@ class RankWorker:
         and blocks may be reused; otherwise keep polling with `transfer_settled`. A slot
         whose transfer did not finish stays FILLING until `release`."""
         transfer = self.transfers.pop(request_id, None)
-        self._instance_of.pop(request_id, None)
         if transfer is not None and transfer.reader is not None:
             transfer.handles.extend(transfer.reader.stop())
         if transfer is not None and transfer.handles:

@@ -15,6 +15,7 @@ from transfer.model.layers.norms import offset_rms_norm
 from transfer.model.layers.rope import PartialRope
 from transfer.model.layers.varlen import paged_attention
 from transfer.model.rank_weights import RankWeights
+from transfer.model.row_invariant import linear, sigmoid
 
 
 class GatedAttention:
@@ -61,12 +62,14 @@ class GatedAttention:
         """x [T, hidden] -> partial output [T, hidden]; writes the T tokens' K/V, then each
         sequence attends causally over its context and new tokens."""
         T, D = x.shape[0], self.head_dim
-        q, gate, k, v = (x @ p.T for p in (self.q_proj, self.gate_proj, self.k_proj, self.v_proj))
+        q, gate, k, v = (
+            linear(x, p) for p in (self.q_proj, self.gate_proj, self.k_proj, self.v_proj)
+        )
         if self.biases is not None:
             q, gate, k, v = (t + b for t, b in zip((q, gate, k, v), self.biases, strict=False))
         q = self.rope(offset_rms_norm(q.view(T, -1, D), self.q_norm, self.eps), batch.positions)
         k = self.rope(offset_rms_norm(k.view(T, -1, D), self.k_norm, self.eps), batch.positions)
         v = v.view(T, -1, D)
         o = paged_attention(batch, self.index, q, k, v, D**-0.5)
-        out = (o.reshape(T, -1) * torch.sigmoid(gate)) @ self.o_proj.T
+        out = linear(o.reshape(T, -1) * sigmoid(gate), self.o_proj)
         return out if self.biases is None else out + self.biases[4]

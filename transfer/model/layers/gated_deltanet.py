@@ -14,7 +14,6 @@ Checkpoint layouts:
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from kernels import chunk_gdn, recurrent_gdn
 from transfer.geometry import LayerSpec, Segment
@@ -22,6 +21,7 @@ from transfer.model.batch import Batch, Part
 from transfer.model.layers.norms import gated_rms_norm
 from transfer.model.layers.varlen import scan, scan_chunk_size, short_conv
 from transfer.model.rank_weights import RankWeights
+from transfer.model.row_invariant import linear, sigmoid, softplus
 
 
 class GatedDeltaNet:
@@ -87,17 +87,17 @@ class GatedDeltaNet:
         """x [T, hidden] -> partial output [T, hidden]; reads and writes the slots' S and conv."""
         T, caches = x.shape[0], batch.caches
         conv = None if caches is None else caches.conv(self.index, "conv")
-        mixed = short_conv(x @ self.in_qkv.T, batch, conv, self.conv_weight)
+        mixed = short_conv(linear(x, self.in_qkv), batch, conv, self.conv_weight)
         q, k, v = mixed.split(self.splits, dim=-1)
         q, k = q.reshape(T, -1, self.k_dim), k.reshape(T, -1, self.k_dim)
         v = v.reshape(T, -1, self.v_dim)
-        beta = torch.sigmoid(x @ self.in_b.T)
-        g = -self.a_log.exp() * F.softplus(x @ self.in_a.T + self.dt_bias)
+        beta = sigmoid(linear(x, self.in_b))
+        g = -self.a_log.exp() * softplus(linear(x, self.in_a) + self.dt_bias)
         ssm = None if caches is None else caches.ssm(self.index)
         o = scan(batch, ssm, (q, k, v, g, beta), _delta_rule)
-        z = (x @ self.in_z.T).view(T, -1, self.v_dim)
+        z = linear(x, self.in_z).view(T, -1, self.v_dim)
         o = gated_rms_norm(o, z, self.norm, self.eps)
-        return o.reshape(T, -1) @ self.out_proj.T
+        return linear(o.reshape(T, -1), self.out_proj)
 
 
 def _delta_rule(part: Part, inputs, initial_state):

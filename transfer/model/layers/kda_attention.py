@@ -7,7 +7,6 @@ Caches "ssm" [slots, heads, D, D] and "conv_q" / "conv_k" / "conv_v" [slots, hea
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from kernels import chunk_kda, recurrent_kda
 from transfer.geometry import KDASpec, Segment
@@ -15,6 +14,7 @@ from transfer.model.batch import Batch, Part
 from transfer.model.layers.norms import rms_normalize
 from transfer.model.layers.varlen import scan, scan_chunk_size, short_conv
 from transfer.model.rank_weights import RankWeights
+from transfer.model.row_invariant import linear, sigmoid, softplus
 
 QKV = ("q", "k", "v")
 
@@ -52,19 +52,19 @@ class KimiDeltaAttention:
         T, D, caches = x.shape[0], self.head_dim, batch.caches
         q, k, v = (
             short_conv(
-                x @ self.proj[n].T, batch,
+                linear(x, self.proj[n]), batch,
                 None if caches is None else caches.conv(self.index, f"conv_{n}"), self.conv[n],
             ).view(T, -1, D)
             for n in QKV
         )  # fmt: skip
-        f = (x @ self.f_a.T) @ self.f_b.T + self.dt_bias
-        g = self.neg_decay[:, None] * F.softplus(f.view(T, -1, D))
-        beta = torch.sigmoid(x @ self.b_proj.T)
+        f = linear(linear(x, self.f_a), self.f_b) + self.dt_bias
+        g = self.neg_decay[:, None] * softplus(f.view(T, -1, D))
+        beta = sigmoid(linear(x, self.b_proj))
         ssm = None if caches is None else caches.ssm(self.index)
         o = scan(batch, ssm, (q, k, v, g, beta), _delta_rule)
-        gate = ((x @ self.g_a.T) @ self.g_b.T).view(T, -1, D)
-        o = rms_normalize(o, self.eps) * self.o_norm * torch.sigmoid(gate)
-        return o.reshape(T, -1) @ self.o_proj.T
+        gate = linear(linear(x, self.g_a), self.g_b).view(T, -1, D)
+        o = rms_normalize(o, self.eps) * self.o_norm * sigmoid(gate)
+        return linear(o.reshape(T, -1), self.o_proj)
 
 
 def _delta_rule(part: Part, inputs, initial_state):

@@ -10,11 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from transfer.geometry import Segment
 from transfer.model.layers.mlp import SwiGLU
 from transfer.model.rank_weights import RankWeights
+from transfer.model.row_invariant import linear, sigmoid, silu
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ class KimiMoE:
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> (weights [T, top_k], expert ids [T, top_k])."""
         r = self.routing
-        scores = (x @ self.router.T).sigmoid()
+        scores = sigmoid(linear(x, self.router))
         choice = (scores + self.bias).view(-1, r.num_groups, r.num_experts // r.num_groups)
         group_scores = choice.topk(2, dim=-1).values.sum(-1)  # [T, groups]
         groups = group_scores.topk(r.topk_groups, dim=-1).indices
@@ -77,7 +77,7 @@ class KimiMoE:
         out = torch.zeros_like(x)
         for expert in ids.unique().tolist():
             tokens, slots = (ids == expert).nonzero(as_tuple=True)
-            gate, up = (x[tokens] @ self.gate_up[expert].T).chunk(2, dim=-1)
-            y = (F.silu(gate) * up) @ self.down[expert].T
+            gate, up = linear(x[tokens], self.gate_up[expert]).chunk(2, dim=-1)
+            y = linear(silu(gate) * up, self.down[expert])
             out.index_add_(0, tokens, y * weights[tokens, slots, None])
         return out if self.shared is None else out + self.shared(x)

@@ -8,7 +8,6 @@ W-1] (the last W-1 inputs of the conv, before it).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from kernels import chunk_mamba2, recurrent_mamba2
 from transfer.geometry import Mamba2Spec, Segment, Sharding
@@ -16,6 +15,7 @@ from transfer.model.batch import Batch, Part
 from transfer.model.distributed import TPGroup
 from transfer.model.layers.varlen import scan, short_conv
 from transfer.model.rank_weights import RankWeights
+from transfer.model.row_invariant import linear, silu, softplus
 
 
 class Mamba2Mixer:
@@ -64,15 +64,15 @@ class Mamba2Mixer:
         """x [T, hidden] -> this rank's partial output [T, hidden]; reads and writes the
         slots' S and conv windows."""
         T, P, N, caches = x.shape[0], self.head_dim, self.state_size, batch.caches
-        z, xs, bc, dt = (x @ self.in_proj.T).split(self.split, dim=-1)
+        z, xs, bc, dt = linear(x, self.in_proj).split(self.split, dim=-1)
         conv = None if caches is None else caches.conv(self.index, "conv")
         xbc = short_conv(torch.cat([xs, bc], dim=-1), batch, conv, self.conv, self.conv_bias)
         xs, B, C = xbc.split([self.heads * P, self.groups * N, self.groups * N], dim=-1)
         xs, B, C = xs.view(T, -1, P), B.view(T, -1, N), C.view(T, -1, N)
         ssm = None if caches is None else caches.ssm(self.index)
-        dt = F.softplus(dt + self.dt_bias)
+        dt = softplus(dt + self.dt_bias)
         y = scan(batch, ssm, (xs, dt, B, C), self._ssd)
-        return self._gated_norm(y.reshape(T, -1), z) @ self.out_proj.T
+        return linear(self._gated_norm(y.reshape(T, -1), z), self.out_proj)
 
     def _ssd(self, part: Part, inputs, initial_state):
         xs, dt, B, C = inputs
@@ -89,7 +89,7 @@ class Mamba2Mixer:
 
     def _gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """RMSNorm of y * silu(z) [T, heads*P] within each of the n_groups head groups."""
-        y = y * F.silu(z)
+        y = y * silu(z)
         T = y.shape[0]
         if self.shared_group is None:
             g = y.view(T, -1, self.group_size)

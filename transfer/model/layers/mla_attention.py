@@ -15,6 +15,7 @@ from transfer.model.layers.common import attend
 from transfer.model.layers.norms import rms_normalize
 from transfer.model.layers.varlen import sequence_keys, write_kv
 from transfer.model.rank_weights import RankWeights
+from transfer.model.row_invariant import linear
 
 # Kimi-Linear builds kv_a_layernorm and q_a_layernorm with the RMSNorm default eps,
 # not the config's rms_norm_eps.
@@ -52,7 +53,7 @@ class KimiMLA:
         """x [T, hidden] -> this rank's partial output [T, hidden]; caches the T latents, then
         each sequence attends causally over its context and new tokens."""
         T = x.shape[0]
-        latent, k_rot = (x @ self.kv_a.T).split([self.latent_dim, self.rope_dim], dim=-1)
+        latent, k_rot = linear(x, self.kv_a).split([self.latent_dim, self.rope_dim], dim=-1)
         latent = rms_normalize(latent, LATENT_NORM_EPS) * self.kv_a_norm
         entries, cache = torch.cat([latent, k_rot], dim=-1), None
         if batch.caches is not None:
@@ -65,17 +66,18 @@ class KimiMLA:
             keys = sequence_keys(batch, i, cache, entries)
             k, v = self._keys_values(keys)
             o[span] = attend(q[span], k, v, batch.positions[span], self.scale)
-        return o.reshape(T, -1) @ self.o_proj.T
+        return linear(o.reshape(T, -1), self.o_proj)
 
     def _keys_values(self, entries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """entries [L, latent + rope] -> this rank's heads' keys [L, H, qk] and values [L, H, v]."""
         latent, k_rot = entries.split([self.latent_dim, self.rope_dim], dim=-1)
-        kv = (latent @ self.kv_b.T).view(entries.shape[0], -1, self.nope_dim + self.v_dim)
+        kv = linear(latent, self.kv_b).view(entries.shape[0], -1, self.nope_dim + self.v_dim)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
         k = torch.cat([k_nope, k_rot[:, None, :].expand(-1, k_nope.shape[1], -1)], dim=-1)
         return k, v
 
     def _query(self, x: torch.Tensor) -> torch.Tensor:
         if self.q_a is None:
-            return x @ self.q_proj.T
-        return (rms_normalize(x @ self.q_a.T, LATENT_NORM_EPS) * self.q_a_norm) @ self.q_proj.T
+            return linear(x, self.q_proj)
+        latent = rms_normalize(linear(x, self.q_a), LATENT_NORM_EPS) * self.q_a_norm
+        return linear(latent, self.q_proj)

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from transfer.geometry import Segment
 from transfer.model.rank_weights import RankWeights
+from transfer.model.row_invariant import linear, silu
 
 
 class SwiGLU:
@@ -21,5 +21,5 @@ class SwiGLU:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> partial [T, hidden]."""
-        gate, up = (x @ self.gate_up.T).chunk(2, dim=-1)
-        return (F.silu(gate) * up) @ self.down.T
+        gate, up = linear(x, self.gate_up).chunk(2, dim=-1)
+        return linear(silu(gate) * up, self.down)

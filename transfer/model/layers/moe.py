@@ -11,6 +11,7 @@ from transfer.geometry import Segment
 from transfer.model.layers.mlp import SwiGLU
 from transfer.model.qwen_config import MoEConfig
 from transfer.model.rank_weights import RankWeights
+from transfer.model.row_invariant import linear, sigmoid, silu
 
 
 class SparseMoE:
@@ -38,7 +39,7 @@ class SparseMoE:
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> (weights [T, k], experts [T, k])."""
-        probs = F.softmax(x @ self.router.T, dim=-1, dtype=torch.float32)
+        probs = F.softmax(linear(x, self.router), dim=-1, dtype=torch.float32)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -50,10 +51,10 @@ class SparseMoE:
         out = torch.zeros_like(x)
         for e in experts.unique().tolist():
             tokens, slot = torch.where(experts == e)
-            gate, up = (x[tokens] @ self.gate_up[e].T).chunk(2, dim=-1)
-            y = (F.silu(gate) * up) @ self.down[e].T
+            gate, up = linear(x[tokens], self.gate_up[e]).chunk(2, dim=-1)
+            y = linear(silu(gate) * up, self.down[e])
             out.index_add_(0, tokens, y * weights[tokens, slot, None])
         # A row-wise sum, not a one-column GEMM: a GEMV's rows change with the row count
         # (transfer/model/row_invariant.py), a sum's do not.
         shared_gate = (x * self.shared_gate).sum(dim=-1, keepdim=True)
-        return out + torch.sigmoid(shared_gate) * self.shared(x)
+        return out + sigmoid(shared_gate) * self.shared(x)

@@ -9,6 +9,7 @@ from transfer.geometry import GQASpec, Segment, Sharding
 from transfer.model.batch import Batch
 from transfer.model.layers.varlen import paged_attention
 from transfer.model.rank_weights import RankWeights
+from transfer.model.row_invariant import linear
 
 
 class NoPEAttention:
@@ -28,7 +29,7 @@ class NoPEAttention:
         """x [T, hidden] -> this rank's partial output [T, hidden]; writes the T tokens' K, V,
         then each sequence attends causally over its context and new tokens."""
         T, D = x.shape[0], self.head_dim
-        q = (x @ self.q.T).view(T, -1, D)
-        k, v = (x @ self.k.T).view(T, -1, D), (x @ self.v.T).view(T, -1, D)
+        q = linear(x, self.q).view(T, -1, D)
+        k, v = linear(x, self.k).view(T, -1, D), linear(x, self.v).view(T, -1, D)
         o = paged_attention(batch, self.index, q, k, v, self.scale)
-        return o.reshape(T, -1) @ self.o.T
+        return linear(o.reshape(T, -1), self.o)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from transfer.model.row_invariant import silu
 
 
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -21,4 +22,4 @@ def gated_rms_norm(
     x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> torch.Tensor:
     """x̂·w·silu(gate), the GDN output norm: a plain weight, the gate applied after the norm."""
-    return rms_normalize(x, eps) * weight * F.silu(gate.float())
+    return rms_normalize(x, eps) * weight * silu(gate.float())

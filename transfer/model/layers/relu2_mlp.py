@@ -6,6 +6,7 @@ import torch
 
 from transfer.geometry import Segment
 from transfer.model.rank_weights import RankWeights
+from transfer.model.row_invariant import linear
 
 
 class Relu2MLP:
@@ -16,4 +17,4 @@ class Relu2MLP:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> this rank's partial output [T, hidden]."""
-        return torch.relu(x @ self.up.T).square() @ self.down.T
+        return linear(torch.relu(linear(x, self.up)).square(), self.down)
