@@ -63,6 +63,15 @@ def build_model(arch: str, directory: Path, tp: TPGroup):
         return build_nemotron_h(checkpoint, from_hf_config(directory), tp)
 
 
+def model_of(arch: str, tmp_path_factory) -> object:
+    """A tiny random checkpoint of `arch`, saved by transformers and built at TP=1, with
+    the test process on one thread (what the rank processes use)."""
+    torch.set_num_threads(1)
+    directory = tmp_path_factory.mktemp(arch)
+    save_checkpoint(arch, directory)
+    return build_model(arch, directory, TPGroup.single())
+
+
 @dataclass
 class Engines:
     caches: LocalCaches

@@ -28,6 +28,7 @@ from tests.model.batching_support import (
     assert_same_choices,
     build_model,
     engines,
+    model_of,
     random_prompt,
     reference,
     request_caches,
@@ -36,7 +37,7 @@ from tests.model.batching_support import (
 )
 from transfer.errors import InvalidInput
 from transfer.model.batch import SequenceStep
-from transfer.model.distributed import TPGroup, init_tp_group
+from transfer.model.distributed import init_tp_group
 from transfer.model.slots import CacheFillingError, SlotPhase
 
 TIMEOUT_S = 300
@@ -47,10 +48,7 @@ SCHEDULE = [(20, 0, 3), (45, 0, 6), (70, 1, 4), (9, 2, 5), (33, 2, 3)]
 
 @pytest.fixture(scope="module", params=ARCHS)
 def model(request, tmp_path_factory):
-    torch.set_num_threads(1)
-    directory = tmp_path_factory.mktemp(request.param)
-    save_checkpoint(request.param, directory)
-    return build_model(request.param, directory, TPGroup.single())
+    return model_of(request.param, tmp_path_factory)
 
 
 def test_mixed_prompt_lengths_in_one_step(model):

@@ -12,14 +12,12 @@ import torch.nn.functional as F
 from tests.model.batching_support import (
     ARCHS,
     BLOCK_SIZE,
-    build_model,
     engines,
+    model_of,
     random_prompt,
     request_caches,
-    save_checkpoint,
 )
 from transfer.model.batch import SequenceStep
-from transfer.model.distributed import TPGroup
 from transfer.model.row_invariant import (
     MIN_GEMM_ROWS,
     linear,
@@ -60,10 +58,7 @@ def test_an_activation_gives_each_element_what_a_long_tensor_gives_it(name):
 
 @pytest.fixture(scope="module", params=ARCHS)
 def model(request, tmp_path_factory):
-    torch.set_num_threads(1)
-    directory = tmp_path_factory.mktemp(request.param)
-    save_checkpoint(request.param, directory)
-    return build_model(request.param, directory, TPGroup.single())
+    return model_of(request.param, tmp_path_factory)
 
 
 @pytest.mark.parametrize("suffix", [1, 2, 3, 5, 17, 69])

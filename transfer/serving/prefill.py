@@ -45,7 +45,7 @@ JOB_WAIT_LOG_S = 30.0  # a freed stream whose prefill has not stopped yet is log
 
 
 @dataclass(eq=False)
-class _Prompt:
+class _Allocated:
     """A prompt with its cache allocated, to prefill now or in the background."""
 
     request_id: str
@@ -92,7 +92,7 @@ class PrefillWorker:
             rank_layouts=instance.rank_layouts,
         )
 
-        self._jobs: dict[str, _Prompt] = {}  # streamed prompts still prefilling
+        self._jobs: dict[str, _Allocated] = {}  # streamed prompts still prefilling
         self._keys: dict[int, int] = {}  # slot -> the stream key it last had
         self._jobs_lock = threading.Lock()
         self.batcher = PrefillBatcher(
@@ -135,7 +135,7 @@ class PrefillWorker:
         if self.metrics is not None:
             self.metrics.record_block_runs(count_runs(cache.block_ids))
         blocks, slot = tuple(cache.block_ids), cache.slot_ids[0]
-        job = _Prompt(rid, prompt, blocks, slot, request.sampling, hit, hashes)
+        job = _Allocated(rid, prompt, blocks, slot, request.sampling, hit, hashes)
         if self.instance.config.transfer_mode == "layerwise":
             return self._publish_early(job)
         try:
@@ -148,7 +148,7 @@ class PrefillWorker:
             self._free(rid, slot)
             raise
 
-    def _run(self, job: _Prompt, is_cancelled: Callable[[], bool], stream_key: int = 0):
+    def _run(self, job: _Allocated, is_cancelled: Callable[[], bool], stream_key: int = 0):
         """Prefill `job` into its cache (publishing progress under `stream_key`); the first
         token. The prefix cache takes the prompt's blocks; --dump-dir gets its caches."""
         prefix, hit, num_tokens = self.instance.prefix, job.hit, len(job.prompt_ids)
@@ -177,7 +177,7 @@ class PrefillWorker:
             if self.metrics is not None and prefix is not None:
                 self.metrics.record_prefix(prefix.counts())
 
-    def _publish_early(self, job: _Prompt) -> Ticket:
+    def _publish_early(self, job: _Allocated) -> Ticket:
         """Layer-wise streaming: publish the ticket now, with a fresh key for the slot, and
         prefill in the background; decode reads each part once the ranks publish it. A
         failed prefill aborts the ticket, so its decode's next heartbeat fails."""
@@ -204,7 +204,7 @@ class PrefillWorker:
         thread.start()
         return ticket
 
-    def _run_streamed(self, job: _Prompt, key: int) -> None:
+    def _run_streamed(self, job: _Allocated, key: int) -> None:
         failure: BaseException | None = None
         try:
             self._run(job, job.cancelled.is_set, stream_key=key)
