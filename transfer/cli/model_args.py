@@ -1,5 +1,6 @@
 """--model and --ssm-dtype for the commands that run a model (serve, launch, up), and the
-prefix-cache flags of the commands that start a local pair (launch, bench serve)."""
+prefix-cache and transfer-mode flags of the commands that start local instances (launch,
+bench serve, up)."""
 
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ def add_local_prefix_cache_arguments(parser: argparse.ArgumentParser) -> None:
         "--prefix-cache",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="both instances' prefix caches (serve's flag; default on)",
+        help="the instances' prefix caches (serve's flag; default on)",
     )
     parser.add_argument(
         "--checkpoint-interval",

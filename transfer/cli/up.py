@@ -13,7 +13,7 @@ import time
 import uuid
 from pathlib import Path
 
-from transfer.cli.model_args import add_served_model_arguments
+from transfer.cli.model_args import add_local_prefix_cache_arguments, add_served_model_arguments
 from transfer.cli.serve import add_http_arguments
 from transfer.errors import InvalidInput
 
@@ -46,12 +46,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--block-size", type=int, default=16, help="min KV block size (default 16)")
     parser.add_argument("--seed", type=int, default=0, help="weight seed of a preset (default 0)")
-    parser.add_argument(
-        "--prefix-cache",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="every instance's prefix cache (serve's flag; default on)",
-    )
+    add_local_prefix_cache_arguments(parser)
     parser.add_argument(
         "--timeout", type=float, default=300.0, help="seconds to wait for start-up (default 300)"
     )
@@ -89,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
         "--transport", args.transport, "--gpu-mem", args.gpu_mem, "--device", args.device,
         "--max-seqs", str(args.max_seqs), "--block-size", str(args.block_size),
         "--seed", str(args.seed), "--prefix-cache" if args.prefix_cache else "--no-prefix-cache",
+        "--checkpoint-interval", str(args.checkpoint_interval),
     ]  # fmt: skip
     procs, keep = [], False
     previous = signal.signal(signal.SIGTERM, _interrupt)

@@ -4,8 +4,9 @@ the step a row sits.
 Two CPU kernels compute a value differently by its surroundings (torch's CPU build, one
 thread, fp32; measured):
 - A GEMM of fewer than 16 rows reduces in another order: the same row differs in its last
-  bits between a 5-row and a 600-row pass (every shape from 16 to 4,096 tried; never from
-  16 rows on). A one-column GEMM (a GEMV) differs at almost any row count.
+  bits between a 5-row and a 600-row pass (K 16-2,048 by N 16-4,096 tried, and odd
+  shapes; never from 16 rows on). A one-column GEMM (a GEMV) differs at almost any row
+  count.
 - Sigmoid, SiLU and softplus run vectorized over the bulk of a contiguous tensor and
   through a scalar formula over its last few elements, which rounds differently; exp, log,
   tanh, sqrt and arithmetic do not.

@@ -31,7 +31,7 @@ from transfer.control.types import (
 )
 from transfer.errors import CapacityError, InvalidInput, PdxferError
 from transfer.serving.checkpoints import checkpoint_positions, checkpoint_stops
-from transfer.serving.commands import Release, Snapshot, StageGather
+from transfer.serving.commands import Release, Snapshot, StageGather, TokenPick
 from transfer.serving.instance import Instance
 from transfer.serving.prefill_batcher import PrefillBatcher
 from transfer.serving.progress import next_key
@@ -148,7 +148,9 @@ class PrefillWorker:
             self._free(rid, slot)
             raise
 
-    def _run(self, job: _Allocated, is_cancelled: Callable[[], bool], stream_key: int = 0):
+    def _run(
+        self, job: _Allocated, is_cancelled: Callable[[], bool], stream_key: int = 0
+    ) -> TokenPick:
         """Prefill `job` into its cache (publishing progress under `stream_key`); the first
         token. The prefix cache takes the prompt's blocks; --dump-dir gets its caches."""
         prefix, hit, num_tokens = self.instance.prefix, job.hit, len(job.prompt_ids)

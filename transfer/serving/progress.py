@@ -32,8 +32,10 @@ from transfer.geometry import ModelGeometry
 
 TRANSFER_MODES = ("whole", "layerwise")
 # Layers per streaming group: 12 groups of Qwen3-Next's 48 layers cost 36 descriptors for
-# a 4k-token request and left 1.7-7 ms exposed in `bench transfer --layerwise`.
+# a 4k-token request, and 1.5-7.3 ms stayed exposed at 4k-64k tokens on loopback in
+# `bench transfer --layerwise` (docs/benchmarks.md).
 DEFAULT_STREAM_LAYERS = 4
+PROGRESS, FLOOR, TOKEN, LOGPROB = range(4)  # an entry's words, in order
 WORDS = 4
 ENTRY_BYTES = 8 * WORDS
 MAX_SOURCES = 8  # a decode slot's entry holds a copy per prefill rank
@@ -107,9 +109,6 @@ class Progress:
         """Tokens of `group`'s KV that are final."""
         return max(self.floor, self.chunk_end if group < self.groups_done else 0)
 
-    def state_final(self, group: int, num_tokens: int) -> bool:
-        return self.chunk_end == num_tokens and group < self.groups_done
-
     def finished(self, num_tokens: int) -> bool:
         return self.chunk_end == num_tokens and self.picked
 
@@ -117,7 +116,7 @@ class Progress:
 def read_entry(words: Sequence[int], key: int) -> Progress:
     """The progress `words` (an entry's four words) claim for the request with `key`;
     nothing when they belong to another."""
-    progress, floor, token, logprob = (int(w) for w in words[:WORDS])
+    progress, floor, token, logprob = (int(words[i]) for i in (PROGRESS, FLOOR, TOKEN, LOGPROB))
     if progress >> _KEY_SHIFT != key:
         return Progress()
     first = None

@@ -232,9 +232,7 @@ class RankWorker:
         self._post(transfer, peers, reads[self.spec.rank])
         if last:
             transfer.sealed = True
-            if transfer.reader is not None:
-                transfer.handles.extend(transfer.reader.stop())
-                transfer.reader = None
+            _stop_reader(transfer)
 
     def _post(self, transfer: _Transfer, peers: list[str], mine: RankReads) -> None:
         deadline_s = transfer.deadline_at - time.monotonic()
@@ -270,8 +268,7 @@ class RankWorker:
                 reasons.append(reader.failure)
         if reasons:
             # Handles stay: a failed READ may still land (NIXL cannot cancel one in flight).
-            if reader is not None:
-                transfer.handles.extend(reader.stop())
+            _stop_reader(transfer)
             transfer.status = TransferStatus(TransferState.FAILED, reason="; ".join(reasons))
         elif not transfer.sealed:
             if reader is not None:
@@ -289,8 +286,8 @@ class RankWorker:
         and blocks may be reused; otherwise keep polling with `transfer_settled`. A slot
         whose transfer did not finish stays FILLING until `release`."""
         transfer = self.transfers.pop(request_id, None)
-        if transfer is not None and transfer.reader is not None:
-            transfer.handles.extend(transfer.reader.stop())
+        if transfer is not None:
+            _stop_reader(transfer)
         if transfer is not None and transfer.handles:
             self.unsettled[request_id] = list(transfer.handles)
             transfer.handles.clear()
@@ -346,6 +343,13 @@ class RankWorker:
             self.transfer_end(request_id)
         self.unsettled.clear()  # closing the transport ends whatever still moves
         self.transport.close()
+
+
+def _stop_reader(transfer: _Transfer) -> None:
+    """A stream's progress READs stop; any still in flight settle with the transfer's."""
+    if transfer.reader is not None:
+        transfer.handles.extend(transfer.reader.stop())
+        transfer.reader = None
 
 
 def _sampler(sampling: SamplingParams) -> Sampler:

@@ -69,7 +69,6 @@ class StreamPlanner:
         self.finished = False  # every prefill rank has finished the prompt
         self.first_pick: tuple[int, float] | None = None
         self.kv_bytes = self.state_bytes = self.descriptors = 0
-        self.parts = 0
 
     @property
     def num_tokens(self) -> int:
@@ -81,7 +80,7 @@ class StreamPlanner:
         done = all(self.state_read) and all(t == self.num_tokens for t in self.read_to)
         return done and self.first_pick is not None
 
-    def progress(self, words: Sequence[int]) -> list[Progress]:
+    def _progress(self, words: Sequence[int]) -> list[Progress]:
         return [read_entry(words[r * WORDS : (r + 1) * WORDS], self.key)
                 for r in range(len(self.prefill))]  # fmt: skip
 
@@ -90,7 +89,7 @@ class StreamPlanner:
         nothing new). `words`: the progress entries, one per prefill rank, as read."""
         if len(words) < WORDS * len(self.prefill):
             return None  # the reader has no round yet
-        progress = self.progress(words)
+        progress = self._progress(words)
         self.finished = self.finished or all(p.finished(self.num_tokens) for p in progress)
         if self.first_pick is None and progress[0].first is not None:
             self.first_pick = progress[0].first
@@ -129,5 +128,4 @@ class StreamPlanner:
             self.kv_bytes += reads.kv_bytes
             self.state_bytes += reads.state_bytes
             self.descriptors += reads.descriptors
-        self.parts += len(parts)
         return tuple(RankReads(tuple(batches)) for batches in per_rank)

@@ -13,7 +13,12 @@ from transfer.cache.layout import Layout
 from transfer.model.layers.common import AfterLayer
 from transfer.packer import StagingPolicy, TransferRequest, plan_transfer
 from transfer.serving.progress import (
-    SLOT_BYTES,
+    ENTRY_BYTES,
+    FLOOR,
+    LOGPROB,
+    PROGRESS,
+    TOKEN,
+    entry_offset,
     floor_word,
     progress_word,
     stream_groups,
@@ -44,8 +49,6 @@ class ProgressWriter:
     def __init__(self, buffer: torch.Tensor, layout: Layout, scribble_s: float = 0.0) -> None:
         self.buffer = buffer
         self.layout = layout
-        start = layout.progress_offset
-        self.words = buffer[start : start + layout.progress_bytes].view(torch.int64)
         self.groups = stream_groups(layout.geometry, layout.options.layer_group)
         self.group_ending = {members[-1]: g for g, members in enumerate(self.groups)}
         self.scribble_s = scribble_s
@@ -64,10 +67,10 @@ class ProgressWriter:
                     self._scribble(chunk, self.groups[group])
             self._settle()
             for chunk in chunks:
-                base = chunk.slot * SLOT_BYTES // 8
+                entry = self._entry(chunk)
                 if group == 0:
-                    self.words[base + 1] = floor_word(chunk.key, chunk.context_len)
-                self.words[base] = progress_word(chunk.key, chunk.chunk_end, group + 1, False)
+                    entry[FLOOR] = floor_word(chunk.key, chunk.context_len)
+                entry[PROGRESS] = progress_word(chunk.key, chunk.chunk_end, group + 1, False)
 
         return publish
 
@@ -76,13 +79,18 @@ class ProgressWriter:
         then `picked`; then each chunk's floor at its end."""
         self._settle()
         for chunk, (token, logprob) in zip(chunks, picks, strict=True):
-            base = chunk.slot * SLOT_BYTES // 8
+            entry = self._entry(chunk)
             if chunk.ends_prompt:
-                self.words[base + 2], self.words[base + 3] = token_words(chunk.key, token, logprob)
+                entry[TOKEN], entry[LOGPROB] = token_words(chunk.key, token, logprob)
                 groups = len(self.groups)
-                self.words[base] = progress_word(chunk.key, chunk.chunk_end, groups, True)
-            self.words[base + 1] = floor_word(chunk.key, chunk.chunk_end)
+                entry[PROGRESS] = progress_word(chunk.key, chunk.chunk_end, groups, True)
+            entry[FLOOR] = floor_word(chunk.key, chunk.chunk_end)
         self._settle()
+
+    def _entry(self, chunk: StreamedChunk) -> torch.Tensor:
+        """int64 [WORDS]: the chunk's slot's entry, a view into the arena."""
+        at = entry_offset(self.layout, chunk.slot)
+        return self.buffer[at : at + ENTRY_BYTES].view(torch.int64)
 
     def _settle(self) -> None:
         """Every write before this point is in memory a NIC reads (GPU: the stream ran)."""
