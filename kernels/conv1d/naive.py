@@ -54,11 +54,15 @@ def causal_conv1d_update_naive(
     activation: str | None = "silu",
 ) -> torch.Tensor:
     """One decode step: x [B,D]; conv_state [B,D,W-1] is shifted by one IN PLACE; y [B,D]."""
-    window = torch.cat([conv_state.float(), x.float()[:, :, None]], dim=2)  # [B, D, W]
-    out = (window * weight.float()).sum(dim=2)
+    state, x32, w = conv_state.float(), x.float(), weight.float()
+    width = w.shape[1]
+    # tap by tap over [B, D] rather than a reduction over a trailing dim of W elements
+    out = x32 * w[:, width - 1]
+    for tap in range(width - 1):
+        out.addcmul_(state[:, :, tap], w[:, tap])
     if bias is not None:
         out = out + bias.float()
     if activation == "silu":
         out = F.silu(out)
-    conv_state.copy_(window[:, :, 1:])
+    conv_state.copy_(torch.cat([state[:, :, 1:], x32[:, :, None]], dim=2))
     return out.to(x.dtype)

@@ -25,6 +25,7 @@ from tests.model.batching_support import (
     NUM_BLOCKS,
     Request,
     assert_caches_close,
+    assert_close,
     assert_same_choices,
     build_model,
     engines,
@@ -169,6 +170,32 @@ def test_transferred_state_continues_beside_a_fresh_prefill(model):
     )
     assert_same_choices(out.logits[:1], f_logits, "fresh prefill")
     assert_same_choices(out.logits[1:], logits[1:2], "transferred request")
+
+
+def test_sequences_share_prefix_blocks_they_only_read(model):
+    """Two requests over one cached prefix (as the decode side's prefix cache hands out)
+    decode in one step; a block that a sequence of the step writes may not be shared."""
+    e = engines(model)
+    prompt = random_prompt(model.geometry.vocab_size, 2 * BLOCK_SIZE + 5)
+    first = int(e.batch.step([SequenceStep(prompt, 0, [3, 4, 5])]).logits.argmax())
+    e.engine.copy_state(0, 1)
+    for tensor in e.caches.tensors.values():  # the partial last block is each one's own
+        if tensor.shape[0] == NUM_BLOCKS:
+            tensor[6] = tensor[5]
+    pos = len(prompt)
+    alone = e.batch.step_logits([SequenceStep.decode(first, 0, [3, 4, 5], pos)])
+    e.engine.copy_state(1, 0)  # undo the step alone: slot 0 as it was
+    both = e.batch.step_logits([
+        SequenceStep.decode(first, 0, [3, 4, 5], pos),
+        SequenceStep.decode(first, 1, [3, 4, 6], pos),
+    ])  # fmt: skip
+    assert_close(both[0], alone[0], "shared prefix, batched vs alone")
+    assert torch.equal(both[0], both[1])  # the same bytes in, the same step
+    with pytest.raises(InvalidInput, match=r"sequences\[1\].block_ids: block 5"):
+        e.batch.step([
+            SequenceStep.decode(first, 0, [3, 4, 5], pos + 1),
+            SequenceStep.decode(first, 1, [3, 4, 5], pos + 1),
+        ])  # fmt: skip
 
 
 def test_slot_lifecycle_holds_per_sequence(model):

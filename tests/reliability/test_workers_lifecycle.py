@@ -243,6 +243,34 @@ def test_no_step_touches_a_slot_while_a_transfer_fills_it(cluster, spare):
             os.kill(rank, signal.SIGCONT)
 
 
+def test_pipelined_decode_steps_feed_the_previous_pick(cluster):
+    """Steps sent before the previous one answered name no token: the rank feeds the pick
+    its previous step made for that slot, and refuses one whose position does not follow."""
+    prefill, decode, _ = cluster
+    geometry, ranks, holder = get_preset(MODEL), decode.instance.ranks, decode.worker.instance_id
+    ids = prompt(5)
+    ticket = prefill.worker.prefill(PrefillRequest("pipe", tuple(ids), MAX_TOKENS))
+    peer = decode.worker.peer(ticket.address)
+    ticket = peer.client.acquire("pipe", holder)
+    cache = decode.instance.pools.allocate("pipe", len(ids) + MAX_TOKENS - 1)
+    blocks, slot = tuple(cache.block_ids), cache.slot_ids[0]
+    reads = plan_direct(peer.layouts, decode.instance.layouts, transfer_request(ticket, blocks[:1], slot))  # fmt: skip
+    ranks.call(TransferStart("pipe", peer.instance_id, reads.per_rank, slot, blocks[:1], 60.0))
+    wait_done(decode, "pipe")
+    ranks.call(TransferEnd("pipe"))
+    peer.client.release("pipe", holder, ticket.block_ids, ticket.slot_id)
+    n = len(ids)
+    sent = [ranks.submit(DecodeStep(ticket.first_token, n, blocks, slot))]
+    sent += [ranks.submit(DecodeStep(None, n + i, blocks, slot)) for i in range(1, MAX_TOKENS - 1)]
+    tokens = [ticket.first_token] + [p.result()[0].token for p in sent]
+    assert tokens == reference_generate(geometry, ids, MAX_TOKENS)
+    with pytest.raises(RankCommandError, match="token"):  # the last pick is for n + 5
+        ranks.call(DecodeStep(None, n + 2, blocks, slot))
+    ranks.call(Release(slot))
+    decode.instance.pools.free("pipe")
+    assert_idle(prefill, decode)
+
+
 def test_an_unfinished_transfer_never_becomes_readable(cluster, spare):
     """Cancelling a transfer in flight leaves its slot FILLING until released, then FREE: no
     step ever reads half-written bytes; its READ is reported unsettled until it can no

@@ -3,6 +3,7 @@ that a request out of its stream is never stepped again."""
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 
@@ -10,21 +11,69 @@ import pytest
 
 from transfer.errors import Closed, InvalidInput, PdxferError
 from transfer.serving.commands import DecodeBatch, DecodeStep, TokenPick
-from transfer.serving.decode_batcher import DecodeBatcher
+from transfer.serving.decode_batcher import PIPELINE_DEPTH, DecodeBatcher
 
 TIMEOUT_S = 10.0
 
 
-class FakeRanks:
-    """Answers token = 1000 * slot + position; fails any batch holding `bad_slot`."""
+class _Answer:
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.value = self.error = None
 
-    def __init__(self, step_s: float = 0.0, bad_slot: int | None = None) -> None:
+    def result(self, timeout_s: float = TIMEOUT_S):
+        assert self.done.wait(timeout_s), "the fake rank never answered"
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+class FakeRanks:
+    """Runs commands in order on a thread of its own, `step_s` each, as rank 0 does.
+
+    A step picks token 1000 * slot + position. A step that names no token feeds the slot's
+    previous pick, which must be for its position, else the batch fails its checks (as
+    `RankWorker` does). Fails the checks of any batch holding `bad_slot`, or all of
+    `clash`."""
+
+    def __init__(
+        self, step_s: float = 0.0, bad_slot: int | None = None, clash: tuple[int, ...] = ()
+    ) -> None:
         self.step_s = step_s
         self.bad_slot = bad_slot
+        self.clash = set(clash)  # slots that fail the checks of any step holding them all
         self.batches: list[tuple[int, ...]] = []  # slots of each step, in order
+        self.fed: dict[int, list[tuple[int, int]]] = {}  # slot -> (position, token) fed
+        self.most_at_once = 0  # commands sent and not yet answered, at most
         self.lock = threading.Lock()
+        self._picked: dict[int, tuple[int, int]] = {}
+        self._unanswered = 0
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._serve, daemon=True).start()
 
-    def call(self, command: DecodeBatch) -> list[tuple[TokenPick, ...]]:
+    def submit(self, command: DecodeBatch) -> _Answer:
+        answer = _Answer()
+        with self.lock:
+            self._unanswered += 1
+            self.most_at_once = max(self.most_at_once, self._unanswered)
+        self._queue.put((command, answer))
+        return answer
+
+    def call(self, command: DecodeBatch):
+        return self.submit(command).result()
+
+    def _serve(self) -> None:
+        while True:
+            command, answer = self._queue.get()
+            try:
+                answer.value = self.apply(command)
+            except Exception as exc:  # noqa: BLE001 - handed to the waiter
+                answer.error = exc
+            with self.lock:
+                self._unanswered -= 1
+            answer.done.set()
+
+    def apply(self, command: DecodeBatch) -> list[tuple[TokenPick, ...]]:
         assert isinstance(command, DecodeBatch)
         slots = tuple(s.slot for s in command.steps)
         with self.lock:
@@ -32,7 +81,19 @@ class FakeRanks:
         time.sleep(self.step_s)
         if self.bad_slot in slots:
             raise InvalidInput(f"slot {self.bad_slot} is broken")  # a check: nothing ran
-        return [tuple(TokenPick(1000 * s.slot + s.position, -0.5) for s in command.steps)]
+        if self.clash and self.clash <= set(slots):
+            raise InvalidInput(f"slots {sorted(self.clash)} may not share a step")
+        fed = []
+        for s in command.steps:
+            picked = self._picked.get(s.slot)
+            if s.token is None and (picked is None or picked[0] != s.position):
+                raise InvalidInput(f"token: slot {s.slot} picked none for {s.position}")
+            fed.append(picked[1] if s.token is None else s.token)
+        picks = tuple(TokenPick(1000 * s.slot + s.position, -0.5) for s in command.steps)
+        for s, token, pick in zip(command.steps, fed, picks, strict=True):
+            self.fed.setdefault(s.slot, []).append((s.position, token))
+            self._picked[s.slot] = (s.position + 1, pick.token)
+        return [picks]
 
 
 def first(slot: int, position: int = 10) -> DecodeStep:
@@ -85,6 +146,24 @@ def test_each_stream_gets_its_own_tokens_and_requests_share_steps(make):
     assert sum(len(b) for b in ranks.batches) == sum(n - 1 for n in lengths.values())
 
 
+def test_steps_are_pipelined_and_each_feeds_the_previous_pick(make):
+    ranks = FakeRanks(step_s=0.02)
+    lengths = {0: 12, 3: 7}
+    out = run_streams(make(ranks), lengths)
+    assert ranks.most_at_once == PIPELINE_DEPTH  # the next step waited at the rank
+    for slot, n in lengths.items():
+        assert out[slot] == [1000 * slot + 10 + i for i in range(n - 1)]
+        # position 10 feeds the prefill token (7), every later one the pick before it
+        expected = [(10, 7)] + [(10 + i, 1000 * slot + 10 + i - 1) for i in range(1, n - 1)]
+        assert ranks.fed[slot] == expected
+
+
+def test_a_request_is_never_sent_past_its_last_token(make):
+    ranks = FakeRanks(step_s=0.01)
+    run_streams(make(ranks), {0: 3, 1: 9})
+    assert [b.count(0) for b in ranks.batches].count(1) == 2  # tokens 1 and 2 only
+
+
 def test_max_num_seqs_caps_the_batch(make):
     ranks = FakeRanks(step_s=0.03)
     out = run_streams(make(ranks, max_num_seqs=2), {s: 5 for s in range(5)})
@@ -102,6 +181,17 @@ def test_a_failing_request_gets_the_error_and_the_others_go_on(make):
     stepped_after_failure = [b for b in ranks.batches if len(b) == 1 and b != (1,)]
     assert stepped_after_failure  # the batch was split to find the culprit
     assert ranks.batches[-1] != (1,)
+
+
+def test_a_step_behind_a_failed_one_does_not_fail_its_requests(make):
+    """Two requests that may not share a step: each shared step fails its checks, and the
+    step already sent behind it fails for want of the picks it never made, even when it
+    holds only one of them. Neither request gets an error; each is stepped alone."""
+    ranks = FakeRanks(step_s=0.05, clash=(0, 1))  # both join before the first step ends
+    out = run_streams(make(ranks), {0: 4, 1: 8})
+    assert out[0] == [10 + i for i in range(3)]
+    assert out[1] == [1010 + i for i in range(7)]
+    assert any(sorted(b) == [0, 1] for b in ranks.batches), ranks.batches  # they tried
 
 
 def test_a_closed_stream_is_never_stepped_again(make):
@@ -150,8 +240,8 @@ def test_max_num_seqs_must_be_positive():
 
 def test_ranks_that_disagree_fail_the_step(make):
     class Diverged(FakeRanks):
-        def call(self, command):
-            (picks,) = super().call(command)
+        def apply(self, command):
+            (picks,) = super().apply(command)
             return [picks, tuple(TokenPick(p.token + 1, p.logprob) for p in picks)]
 
     out = run_streams(make(Diverged()), {0: 3})
@@ -163,16 +253,18 @@ def test_a_failure_after_the_step_ran_fails_the_whole_batch(make):
     have advanced some states, so no request of that batch may go on."""
 
     class Broken(FakeRanks):
-        def call(self, command):
+        def apply(self, command):
             if len(command.steps) > 1:
                 with self.lock:
                     self.batches.append(tuple(s.slot for s in command.steps))
                 raise PdxferError("rank 0: device error mid-step")
-            return super().call(command)
+            return super().apply(command)
 
     ranks = Broken(step_s=0.05)
     out = run_streams(make(ranks), {0: 5, 1: 5})
     shared = [i for i, b in enumerate(ranks.batches) if len(b) > 1]
     assert shared, "the two requests never shared a step"
     assert all(isinstance(out[s], PdxferError) and "mid-step" in str(out[s]) for s in (0, 1))
-    assert ranks.batches[shared[0] + 1 :] == []  # no retry one by one after such a failure
+    # no retry one by one after such a failure; the step sent behind it fails too
+    after = ranks.batches[shared[0] :]
+    assert len(after) <= PIPELINE_DEPTH and all(len(b) > 1 for b in after)

@@ -95,7 +95,7 @@ class BatchEngine:
         if not sequences:
             raise InvalidInput("sequences: a step needs at least one sequence")
         seen_slots: dict[int, int] = {}
-        seen_blocks: dict[int, int] = {}
+        tables: dict[int, list[int]] = {}  # block -> the sequences whose table holds it
         for i, s in enumerate(sequences):
             field = f"sequences[{i}]"
             if not isinstance(s, SequenceStep):
@@ -106,12 +106,23 @@ class BatchEngine:
                     f"{field}.slot: {s.slot} is also sequences[{seen_slots[s.slot]}]'s"
                 )
             seen_slots[s.slot] = i
-            for b in s.block_ids:
-                if b in seen_blocks:
-                    raise InvalidInput(
-                        f"{field}.block_ids: block {b} is also sequences[{seen_blocks[b]}]'s"
-                    )
-                seen_blocks[b] = i
+            for b in set(s.block_ids):
+                tables.setdefault(b, []).append(i)
+        # Sequences may share blocks they only read (a cached prefix), never one that a
+        # sequence of this step writes.
+        block_size = self.engine.caches.block_size
+        clashes = []  # (later sequence, earlier sequence, block)
+        for i, s in enumerate(sequences):
+            first = s.context_len // block_size
+            end = -(-(s.context_len + len(s.tokens)) // block_size)
+            for b in s.block_ids[first:end] if self.engine.has_kv else ():
+                clashes += [(max(i, j), min(i, j), b) for j in tables[b] if j != i]
+        if clashes:
+            i, j, b = min(clashes)
+            raise InvalidInput(
+                f"sequences[{i}].block_ids: block {b} is also sequences[{j}]'s, and one of "
+                "them writes it in this step (shared blocks must be read-only)"
+            )
         slots = self.engine.slots
         for s in sequences:
             if s.context_len == 0:

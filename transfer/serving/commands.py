@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 from transfer.control.types import GREEDY, SamplingParams
 from transfer.serving.rank_protocol import RankCommand
@@ -210,9 +210,11 @@ class TransferSettled(RankCommand[bool]):
 @dataclass(frozen=True)
 class DecodeStep(RankCommand[TokenPick]):
     """Feed `token` at `position`; answers the next token, token `index` of the
-    `sampling` stream (0 is the one prefill picked)."""
+    `sampling` stream (0 is the one prefill picked). `token` None feeds what the slot's
+    previous decode step picked, which must have been for `position`: a step sent before
+    that pick came back (pipelined decode)."""
 
-    token: int
+    token: int | None
     position: int
     block_ids: tuple[int, ...]
     slot: int
@@ -229,8 +231,10 @@ class DecodeStep(RankCommand[TokenPick]):
 class DecodeBatch(RankCommand[tuple[TokenPick, ...]]):
     """One forward step for several requests, each a `DecodeStep` (one token each, distinct
     slots and blocks): one all-reduce per sublayer for the whole batch. Answers their picks
-    in order. A batch that fails its checks runs nothing."""
+    in order. A batch that fails its checks runs nothing. It yields to commands behind it
+    (`RankCommand.yields`): the decode batcher sends the next step before this one ends."""
 
+    yields: ClassVar[bool] = True
     steps: tuple[DecodeStep, ...]
 
     def apply(self, worker: RankWorker) -> tuple[TokenPick, ...]:

@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 import traceback
+from collections import deque
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -81,9 +82,11 @@ def _serve(rank: int, group, conn: Connection | None, worker, ready) -> None:
     if any(isinstance(r, RankFailure) for r in results):
         _close(worker)
         return  # every rank saw the failure: the group cannot serve
+    inbox = _Inbox(conn)
     try:
         while True:
-            command = group.broadcast_object(_receive(conn), src=0)
+            index, command = inbox.next() if conn is not None else (None, None)
+            command = group.broadcast_object(command, src=0)
             if isinstance(command, Stop):
                 break
             try:
@@ -100,17 +103,45 @@ def _serve(rank: int, group, conn: Connection | None, worker, ready) -> None:
                     logger.error("after_command failed:\n%s", traceback.format_exc())
             results = _gather(group, result)
             if conn is not None:
-                _send(conn, results)
+                _send(conn, (index, results))
     except KeyboardInterrupt:
         pass
     finally:
         _close(worker)
 
 
-def _receive(conn: Connection | None):
-    """Rank 0: the next command (Stop once the control process is gone); others: None."""
-    if conn is None:
-        return None
+class _Inbox:
+    """Rank 0's commands: each answer is sent with the index of its command in arrival
+    order, since a command that `yields` lets the commands behind it go first."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self.received = 0
+        self.waiting: deque[tuple[int, Any]] = deque()
+        self.stopped = False  # a Stop came: read nothing more
+
+    def next(self) -> tuple[int, Any]:
+        """The next command to run and its index (Stop once the control process is gone)."""
+        while not self.stopped and (not self.waiting or self._readable()):
+            command = _receive(self.conn)
+            self.stopped = isinstance(command, Stop)
+            self.waiting.append((self.received, command))
+            self.received += 1
+        first = next(
+            (i for i, (_, c) in enumerate(self.waiting) if not getattr(c, "yields", False)), 0
+        )
+        item = self.waiting[first]
+        del self.waiting[first]
+        return item
+
+    def _readable(self) -> bool:
+        try:
+            return self.conn.poll(0)
+        except (EOFError, OSError):
+            return False
+
+
+def _receive(conn: Connection):
     try:
         return conn.recv()
     except (EOFError, OSError):

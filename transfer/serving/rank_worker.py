@@ -28,6 +28,7 @@ from transfer.cache.head_units import LayoutOptions
 from transfer.cache.layout import Layout
 from transfer.control.types import SamplingParams
 from transfer.dataplane import Op, RangeBatch, make_transport, wait
+from transfer.errors import InvalidInput
 from transfer.model.batch import SequenceStep
 from transfer.model.batch_runner import BatchEngine
 from transfer.model.caches import ArenaCaches
@@ -102,6 +103,11 @@ class RankWorker:
             if "OMP_NUM_THREADS" not in os.environ:
                 # One thread per rank: ranks of both instances share the cores.
                 torch.set_num_threads(1)
+            # Decays drive recurrent states and exp(G) terms into subnormal floats, which
+            # x86 computes in microcode: flushing them to zero took 16-33 % off a prefill
+            # step's CPU time (docs/benchmarks.md, "Serving") and changes only values
+            # below 1.2e-38, the smallest normal float.
+            torch.set_flush_denormal(True)
         self.layout = layout_for(spec)
         self.arena = Arena.allocate(self.layout, device)
         self.arena.buffer.zero_()
@@ -115,6 +121,9 @@ class RankWorker:
         self.progress = ProgressWriter(self.arena.buffer, self.layout, scribble)
         self.peers: dict[str, list[str]] = {}  # prefill instance -> peer name of each rank
         self.transfers: dict[str, _Transfer] = {}
+        # slot -> (position, token): what its last decode step picked, for a pipelined
+        # step that names no token (sent before that pick came back to the control side).
+        self.picked: dict[int, tuple[int, int]] = {}
         # READs of failed or abandoned transfers that may still move bytes (see settled).
         self.unsettled: dict[str, list[int]] = {}
 
@@ -179,6 +188,7 @@ class RankWorker:
 
     def release(self, slot: int) -> None:
         self.engine.release(slot)
+        self.picked.pop(slot, None)
 
     # -- decode side ----------------------------------------------------------------------
 
@@ -315,22 +325,41 @@ class RankWorker:
 
     def decode_step(
         self,
-        token: int,
+        token: int | None,
         position: int,
         block_ids: list[int],
         slot: int,
         sampling: SamplingParams,
         index: int,
     ) -> TokenPick:
+        token = self._fed_token(token, position, slot)
         sampler = _sampler(sampling)
         pick = self.engine.decode_step_pick(token, position, block_ids, slot, sampler, index)
+        self.picked[slot] = (position + 1, pick.token)
         return TokenPick(pick.token, pick.logprob)
 
     def decode_batch(self, steps: Sequence[DecodeStep]) -> tuple[TokenPick, ...]:
-        sequences = [SequenceStep.decode(s.token, s.slot, s.block_ids, s.position) for s in steps]
+        tokens = [self._fed_token(s.token, s.position, s.slot) for s in steps]
+        sequences = [
+            SequenceStep.decode(t, s.slot, s.block_ids, s.position)
+            for t, s in zip(tokens, steps, strict=True)
+        ]
         samplers = [_sampler(s.sampling) for s in steps]
         output = self.batch.step(sequences, samplers, [s.index for s in steps])
+        for s, p in zip(steps, output.picks, strict=True):
+            self.picked[s.slot] = (s.position + 1, p.token)
         return tuple(TokenPick(p.token, p.logprob) for p in output.picks)
+
+    def _fed_token(self, token: int | None, position: int, slot: int) -> int:
+        if token is not None:
+            return token
+        picked = self.picked.get(slot)
+        if picked is None or picked[0] != position:
+            raise InvalidInput(
+                f"token: none given, and slot {slot}'s last decode step picked none for "
+                f"position {position} (it picked for {picked and picked[0]})"
+            )
+        return picked[1]
 
     def _transfer(self, request_id: str) -> _Transfer:
         try:

@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 from transfer.net import free_port
 from transfer.serving.rank_protocol import (
@@ -60,8 +60,26 @@ def rank_env() -> dict[str, str]:
     return env
 
 
+class Pending(Generic[R]):
+    """A command sent to the ranks whose answer may not have come back yet."""
+
+    def __init__(self, link: RankLink, seq: int, what: str) -> None:
+        self.link, self.seq, self.what = link, seq, what
+
+    def result(self, timeout_s: float = 300.0) -> list[R]:
+        """The per-rank results in rank order (waits for them)."""
+        return self.link.result(self, timeout_s)
+
+
 class RankLink:
-    """The control side of the connection to rank 0: typed calls with timeouts."""
+    """The control side of the connection to rank 0: typed calls with timeouts.
+
+    Commands may be pipelined: `submit` sends one without waiting, so a command can wait
+    at the rank while the one before it runs. Rank 0 tags each answer with its command's
+    index in arrival order (a yielding command may be answered after later ones). Any
+    thread may wait for any pending command; one thread at a time reads the connection
+    and files each answer under its command.
+    """
 
     def __init__(
         self, conn: Connection, label: str = "ranks", beating: Callable[[], bool] | None = None
@@ -70,12 +88,15 @@ class RankLink:
         self.label = label
         self.beating = beating  # whether every rank still beats (None: no heartbeats)
         self.dead = ""
-        self._lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        self._cond = threading.Condition()
+        self._sent = 0  # commands sent; the next one's index (rank 0 counts the same)
+        self._reading = False  # a thread is reading the connection
+        self._answers: dict[int, list[Any]] = {}  # by command index: read, not yet claimed
 
-    def call(self, command: RankCommand[R], timeout_s: float = 300.0) -> list[R]:
-        """Run `command` on every rank; the per-rank results in rank order."""
-        name = type(command).__name__
-        with self._lock:
+    def submit(self, command: RankCommand[R]) -> Pending[R]:
+        """Send `command` to every rank without waiting for its answer."""
+        with self._send_lock:
             if self.dead:
                 raise RankGroupDead(self.dead)
             try:
@@ -83,10 +104,39 @@ class RankLink:
             except (OSError, EOFError) as exc:
                 self.dead = f"{self.label}: rank 0 is gone ({exc})"
                 raise RankGroupDead(self.dead) from None
-            return self.receive(name, timeout_s)
+            pending: Pending[R] = Pending(self, self._sent, type(command).__name__)
+            self._sent += 1
+        return pending
+
+    def call(self, command: RankCommand[R], timeout_s: float = 300.0) -> list[R]:
+        """Run `command` on every rank; the per-rank results in rank order."""
+        return self.submit(command).result(timeout_s)
+
+    def result(self, pending: Pending[R], timeout_s: float) -> list[R]:
+        """The answer to `pending`; whoever waits reads the answers that come first."""
+        while True:
+            with self._cond:
+                while pending.seq not in self._answers and self._reading and not self.dead:
+                    self._cond.wait()
+                if pending.seq in self._answers:
+                    return _checked(pending.what, self._answers.pop(pending.seq))
+                if self.dead:
+                    raise RankGroupDead(self.dead)
+                self._reading = True
+            try:
+                index, answer = self._read_answer(pending.what, timeout_s)
+                with self._cond:
+                    self._answers[index] = answer
+            finally:
+                with self._cond:
+                    self._reading = False
+                    self._cond.notify_all()
 
     def receive(self, what: str, timeout_s: float) -> list[Any]:
-        """The next per-rank results (the answer to `what`)."""
+        """The next per-rank results (the answer to `what`), read before any command."""
+        return _checked(what, self._read_answer(what, timeout_s))
+
+    def _read_answer(self, what: str, timeout_s: float) -> Any:
         try:
             waited, warned = 0.0, False
             while not self.conn.poll(min(timeout_s, HEARTBEAT_WINDOW_S)):
@@ -101,21 +151,20 @@ class RankLink:
                     logger.warning("%s: %s is slow (%.0fs); every rank still beats",
                                    self.label, what, waited)  # fmt: skip
                     warned = True
-            results = self.conn.recv()
+            return self.conn.recv()
         except RankGroupDead:
             raise
         except (EOFError, OSError) as exc:
             self.dead = f"{self.label}: rank processes died during {what} ({type(exc).__name__})"
             raise RankGroupDead(self.dead) from None
-        failures = [r for r in results if isinstance(r, RankFailure)]
-        if failures:
-            raise command_error(what, failures)
-        return results
 
     def stop(self, wait_s: float = 0.0) -> None:
         """Ask the ranks to stop (no answer comes), wait up to `wait_s` for rank 0 to close
-        its end, and close the connection."""
-        with self._lock:
+        its end, and close the connection. Commands still waiting for answers get
+        `RankGroupDead`."""
+        with self._send_lock, self._cond:
+            while self._reading:  # a reader owns the connection until its answer is in
+                self._cond.wait()
             if not self.dead:
                 with contextlib.suppress(OSError, EOFError):
                     self.conn.send(Stop())
@@ -124,6 +173,14 @@ class RankLink:
                         self.conn.recv()  # EOFError once rank 0 has gone
             self.dead = self.dead or f"{self.label}: closed"
             self.conn.close()
+            self._cond.notify_all()
+
+
+def _checked(what: str, results: list[Any]) -> list[Any]:
+    failures = [r for r in results if isinstance(r, RankFailure)]
+    if failures:
+        raise command_error(what, failures)
+    return results
 
 
 class RankGroup:
@@ -211,6 +268,14 @@ class RankGroup:
         if self.link is None:
             raise RankGroupDead("only the node holding rank 0 commands the group")
         return self.link.call(command, timeout_s)
+
+    def submit(self, command: RankCommand[R]) -> Pending[R]:
+        """Send `command` to every rank of the group; its answer comes from `.result()`.
+        Commands run in the order they were sent, except that one which `yields` lets
+        later ones go first (`RankCommand`)."""
+        if self.link is None:
+            raise RankGroupDead("only the node holding rank 0 commands the group")
+        return self.link.submit(command)
 
     def join(self, timeout_s: float | None = None) -> bool:
         """Wait for every rank process to exit; whether they all did."""

@@ -31,7 +31,7 @@ def initial_states(cache: torch.Tensor, part: Part, dtype: torch.dtype) -> torch
     for fresh ones; None when all are fresh (the kernels' own zero start)."""
     if part.num_fresh == len(part.fresh):
         return None
-    states = cache[part.slots].to(dtype)
+    states = cache.index_select(0, part.slots).to(dtype)  # a row copy per slot
     if part.num_fresh:
         states[part.fresh] = 0
     return states.contiguous()
@@ -59,7 +59,7 @@ def short_conv(
         part.put(y, out[0])
     part = batch.decode
     if part is not None:
-        window = cache[part.slots]
+        window = cache.index_select(0, part.slots)
         part.put(y, causal_conv1d_update(part.take(x), window, weight, bias))
         cache[part.slots] = window
     return y
@@ -118,20 +118,28 @@ def decode_attention(
     rows = part.take(q).float()
     members = torch.searchsorted(batch.cu_seqlens, part.tokens, right=True) - 1
     lengths = part.take(batch.positions) + 1
-    grid = torch.arange(int(lengths.max()), device=q.device)
-    valid = grid[None, :] < lengths[:, None]  # [Nd, L]
-    table = batch.block_tables[members]
-    block_of = (grid // k_cache.shape[1]).clamp(max=table.shape[1] - 1)
-    blocks = torch.where(valid, table[:, block_of], 0)
-    offsets = (grid % k_cache.shape[1]).expand_as(blocks)
-    keys, values = k_cache[blocks, offsets].float(), v_cache[blocks, offsets].float()
-    n, heads, kv_heads = rows.shape[0], rows.shape[1], keys.shape[2]
-    # query head h reads key head h // group: group the query heads instead of repeating keys
+    block_size = k_cache.shape[1]
+    num_blocks = -(-int(lengths.max()) // block_size)
+    n, length = len(members), num_blocks * block_size
+    invalid = torch.arange(length, device=q.device)[None, :] >= lengths[:, None]  # [Nd, L]
+    # Whole blocks, copied a block at a time (-1 pads a table past its last block). Rows
+    # past a sequence's length hold stale bytes, possibly NaN: masked out of the scores
+    # and zeroed in the values, as 0 * NaN would not vanish.
+    table = batch.block_tables[members, :num_blocks].clamp(min=0).flatten()
+    keys, values = (
+        c.index_select(0, table).view(n, length, *c.shape[2:]).float() for c in (k_cache, v_cache)
+    )  # [Nd, L, HK, D|Dv]
+    values[invalid] = 0.0
+    heads, kv_heads = rows.shape[1], keys.shape[2]
+    # query head h reads key head h // group: per key head, its group's queries at once,
+    # over strided views of the gathered rows (no copy into a head-major layout)
     grouped = rows.view(n, kv_heads, heads // kv_heads, rows.shape[2])
-    scores = torch.einsum("nkgd,nlkd->nkgl", grouped, keys) * scale
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    out = torch.einsum("nkgl,nlkd->nkgd", scores.softmax(-1), values)
-    return out.reshape(n, heads, values.shape[-1])
+    out = rows.new_empty(n, kv_heads, heads // kv_heads, values.shape[-1])
+    for head in range(kv_heads):
+        scores = torch.bmm(grouped[:, head], keys[:, :, head].transpose(1, 2)) * scale
+        scores.masked_fill_(invalid[:, None, :], float("-inf"))
+        torch.bmm(scores.softmax(-1), values[:, :, head], out=out[:, head])
+    return out.view(n, heads, values.shape[-1])
 
 
 def paged_attention(
