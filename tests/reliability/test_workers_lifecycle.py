@@ -124,6 +124,19 @@ def wait_done(decode: Side, request_id: str, timeout_s: float = 30.0) -> None:
         time.sleep(0.001)
 
 
+def claim_by_hand(decode: Side, ticket, rid: str, num_tokens: int, read_blocks: int | None):
+    """What `DecodeWorker.decode` does before its transfer, step by step: acquire `ticket`,
+    allocate `num_tokens` of cache and plan the READs of its first `read_blocks` blocks
+    (all when None). Returns (peer, acquired ticket, blocks, slot, blocks read, reads)."""
+    peer = decode.worker.peer(ticket.address)
+    ticket = peer.client.acquire(rid, decode.worker.instance_id)
+    cache = decode.instance.pools.allocate(rid, num_tokens)
+    blocks, slot = tuple(cache.block_ids), cache.slot_ids[0]
+    read = blocks[:read_blocks]
+    reads = plan_direct(peer.layouts, decode.instance.layouts, transfer_request(ticket, read, slot))
+    return peer, ticket, blocks, slot, read, reads
+
+
 def test_router_retries_on_another_prefill_instance(cluster):
     prefill, decode, _ = cluster
     dead = f"127.0.0.1:{free_port()}"  # nothing listens there
@@ -208,16 +221,12 @@ def test_no_step_touches_a_slot_while_a_transfer_fills_it(cluster, spare):
     ids = prompt(3)
     try:
         ticket = stalled.worker.prefill(PrefillRequest("bug6", tuple(ids), MAX_TOKENS))
-        peer = decode.worker.peer(ticket.address)
-        ticket = peer.client.acquire("bug6", holder)
-        cache = decode.instance.pools.allocate("bug6", len(ids) + MAX_TOKENS - 1)
-        blocks, slot = tuple(cache.block_ids), cache.slot_ids[0]
-        reads = plan_direct(
-            peer.layouts, decode.instance.layouts, transfer_request(ticket, blocks[:1], slot)
+        peer, ticket, blocks, slot, read, reads = claim_by_hand(
+            decode, ticket, "bug6", len(ids) + MAX_TOKENS - 1, 1
         )
         os.kill(rank, signal.SIGSTOP)
         try:
-            ranks.call(TransferStart("bug6", peer.instance_id, reads.per_rank, slot, blocks[:1], 60.0))  # fmt: skip
+            ranks.call(TransferStart("bug6", peer.instance_id, reads.per_rank, slot, read, 60.0))
             time.sleep(0.5)
             assert ranks.call(TransferPoll("bug6"))[0].state is TransferState.PENDING
             with pytest.raises(RankCommandError) as refused:
@@ -250,12 +259,10 @@ def test_pipelined_decode_steps_feed_the_previous_pick(cluster):
     geometry, ranks, holder = get_preset(MODEL), decode.instance.ranks, decode.worker.instance_id
     ids = prompt(5)
     ticket = prefill.worker.prefill(PrefillRequest("pipe", tuple(ids), MAX_TOKENS))
-    peer = decode.worker.peer(ticket.address)
-    ticket = peer.client.acquire("pipe", holder)
-    cache = decode.instance.pools.allocate("pipe", len(ids) + MAX_TOKENS - 1)
-    blocks, slot = tuple(cache.block_ids), cache.slot_ids[0]
-    reads = plan_direct(peer.layouts, decode.instance.layouts, transfer_request(ticket, blocks[:1], slot))  # fmt: skip
-    ranks.call(TransferStart("pipe", peer.instance_id, reads.per_rank, slot, blocks[:1], 60.0))
+    peer, ticket, blocks, slot, read, reads = claim_by_hand(
+        decode, ticket, "pipe", len(ids) + MAX_TOKENS - 1, 1
+    )
+    ranks.call(TransferStart("pipe", peer.instance_id, reads.per_rank, slot, read, 60.0))
     wait_done(decode, "pipe")
     ranks.call(TransferEnd("pipe"))
     peer.client.release("pipe", holder, ticket.block_ids, ticket.slot_id)
@@ -280,12 +287,8 @@ def test_an_unfinished_transfer_never_becomes_readable(cluster, spare):
     rank = stalled.instance.ranks.procs[0].pid
     ids = prompt(4)
     ticket = stalled.worker.prefill(PrefillRequest("cancelled", tuple(ids), MAX_TOKENS))
-    peer = decode.worker.peer(ticket.address)
-    ticket = peer.client.acquire("cancelled", decode.worker.instance_id)
-    cache = decode.instance.pools.allocate("cancelled", len(ids))
-    blocks, slot = tuple(cache.block_ids), cache.slot_ids[0]
-    reads = plan_direct(
-        peer.layouts, decode.instance.layouts, transfer_request(ticket, blocks, slot)
+    peer, ticket, blocks, slot, _, reads = claim_by_hand(
+        decode, ticket, "cancelled", len(ids), None
     )
     os.kill(rank, signal.SIGSTOP)
     try:

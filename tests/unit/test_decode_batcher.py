@@ -59,9 +59,6 @@ class FakeRanks:
         self._queue.put((command, answer))
         return answer
 
-    def call(self, command: DecodeBatch):
-        return self.submit(command).result()
-
     def _serve(self) -> None:
         while True:
             command, answer = self._queue.get()

@@ -82,10 +82,10 @@ def _serve(rank: int, group, conn: Connection | None, worker, ready) -> None:
     if any(isinstance(r, RankFailure) for r in results):
         _close(worker)
         return  # every rank saw the failure: the group cannot serve
-    inbox = _Inbox(conn)
+    inbox = _Inbox(conn) if conn is not None else None  # rank 0's; the others follow it
     try:
         while True:
-            index, command = inbox.next() if conn is not None else (None, None)
+            index, command = inbox.next() if inbox is not None else (None, None)
             command = group.broadcast_object(command, src=0)
             if isinstance(command, Stop):
                 break

@@ -355,9 +355,10 @@ class RankWorker:
             return token
         picked = self.picked.get(slot)
         if picked is None or picked[0] != position:
+            has = "none" if picked is None else f"one for position {picked[0]}"
             raise InvalidInput(
-                f"token: none given, and slot {slot}'s last decode step picked none for "
-                f"position {position} (it picked for {picked and picked[0]})"
+                f"token: none given, and slot {slot} has no pick for position {position} "
+                f"from its last decode step (it has {has})"
             )
         return picked[1]
 
