@@ -132,6 +132,12 @@ def causal_mask(chunk_size: int, device) -> torch.Tensor:
     return idx[:, None] >= idx[None, :]
 
 
+def exp_where(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """exp(x) where `keep` (broadcast), exactly 0 elsewhere, never overflowing there. Not
+    exp of -inf: the CPU's vectorized exp takes a slow path for it (about 15x slower)."""
+    return torch.where(keep, x, 0.0).exp().mul_(keep)
+
+
 def pack_chunks(lengths: list[int], chunk_size: int, device) -> tuple[torch.Tensor, list[int]]:
     """Every sequence cut into whole chunks: (source [M*C] int64, the packed token each chunk
     row reads, or -1 for the zero padding that ends a sequence's last chunk; first [N+1], the
@@ -147,11 +153,14 @@ def pack_chunks(lengths: list[int], chunk_size: int, device) -> tuple[torch.Tens
     return source, first
 
 
-def gather_chunks(x: torch.Tensor, source: torch.Tensor, chunk_size: int) -> torch.Tensor:
-    """x [T, HV, ...] -> [M, HV, C, ...] by `source` (-1 reads zeros)."""
-    padded = torch.cat([x, x.new_zeros(1, *x.shape[1:])])
-    rows = padded[torch.where(source < 0, x.shape[0], source)]
-    return rows.view(-1, chunk_size, *x.shape[1:]).movedim(1, 2)
+def gather_chunks(x: torch.Tensor, source: torch.Tensor | None, chunk_size: int) -> torch.Tensor:
+    """x [T, HV, ...] -> [M, HV, C, ...] contiguous, by `source` (-1 reads zeros); None:
+    every sequence is whole chunks, so x is already in chunk order."""
+    if source is not None:
+        padded = torch.cat([x, x.new_zeros(1, *x.shape[1:])])
+        x = padded[torch.where(source < 0, x.shape[0], source)]
+    # one copy into head-major chunks, so that no later reshape or matmul copies again
+    return x.view(-1, chunk_size, *x.shape[1:]).movedim(1, 2).contiguous()
 
 
 def _chunked(intra: Intra, q, k, v, g, beta, lengths: list[int], S, chunk_size: int):
@@ -161,8 +170,10 @@ def _chunked(intra: Intra, q, k, v, g, beta, lengths: list[int], S, chunk_size: 
     for every chunk of every sequence at once; only the recurrence steps chunk by chunk, over
     the sequences that have that chunk, so one sequence's bits never depend on the others."""
     source, first = pack_chunks(lengths, chunk_size, q.device)
-    q, k, v, g = (gather_chunks(t, source, chunk_size) for t in (q, k, v, g))
-    b = gather_chunks(beta, source, chunk_size)[..., None]  # [M, HV, C, 1]
+    padded = any(length % chunk_size for length in lengths)
+    rows = source if padded else None
+    q, k, v, g = (gather_chunks(t, rows, chunk_size) for t in (q, k, v, g))
+    b = gather_chunks(beta, rows, chunk_size)[..., None]  # [M, HV, C, 1]
     M, HV, C, K = k.shape
     G = g.cumsum(-2)
     eye = torch.eye(C, device=q.device)
@@ -181,12 +192,15 @@ def _chunked(intra: Intra, q, k, v, g, beta, lengths: list[int], S, chunk_size: 
         members = [n for n, count in enumerate(counts) if count > c]
         ids = torch.tensor([first[n] + c for n in members], device=q.device)
         seq = torch.tensor(members, device=q.device)
-        S_c = S[seq]
-        v_new = u[ids] - w[ids] @ S_c
-        o[ids] = q_decayed[ids] @ S_c + A_qk[ids] @ v_new
-        S[seq] = S_c * state_decay[ids] + k_decayed[ids].transpose(-1, -2) @ v_new
+        S_c = S.index_select(0, seq)
+        u_c, w_c, q_c, a_c, decay_c, k_c = (
+            t.index_select(0, ids) for t in (u, w, q_decayed, A_qk, state_decay, k_decayed)
+        )
+        v_new = u_c - w_c @ S_c
+        o.index_copy_(0, ids, q_c @ S_c + a_c @ v_new)
+        S.index_copy_(0, seq, S_c * decay_c + k_c.transpose(-1, -2) @ v_new)
     out = o.movedim(2, 1).reshape(M * C, HV, -1)
-    return out[source >= 0], S
+    return (out[source >= 0] if padded else out), S
 
 
 def naive_chunk_delta_rule(

@@ -12,14 +12,19 @@ from functools import partial
 
 import torch
 
-from ..delta_rule.naive import causal_mask, naive_chunk_delta_rule, naive_recurrent_delta_rule
+from ..delta_rule.naive import (
+    causal_mask,
+    exp_where,
+    naive_chunk_delta_rule,
+    naive_recurrent_delta_rule,
+)
 
 
 def gdn_intra(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor):
     """q, k [HV,C,K], G [HV,C,1] -> A_kk, A_qk [HV,C,C]: (x k^T) exp(G_i - G_j), j <= i."""
     G = G[..., 0]
     causal = causal_mask(G.shape[-1], G.device)
-    decay = (G[..., :, None] - G[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+    decay = exp_where(G[..., :, None] - G[..., None, :], causal)
     return (k @ k.transpose(-1, -2)) * decay, (q @ k.transpose(-1, -2)) * decay
 
 

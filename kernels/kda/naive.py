@@ -13,15 +13,18 @@ from functools import partial
 
 import torch
 
-from ..delta_rule.naive import causal_mask, naive_chunk_delta_rule, naive_recurrent_delta_rule
+from ..delta_rule.naive import (
+    causal_mask,
+    exp_where,
+    naive_chunk_delta_rule,
+    naive_recurrent_delta_rule,
+)
 
 
 def kda_intra(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor):
     """q, k, G [HV,C,K] -> A_kk, A_qk [HV,C,C]: sum_c x_ic k_jc exp(G_ic - G_jc), j <= i."""
     causal = causal_mask(G.shape[1], G.device)[..., None]
-    # masked before exp, so a strong decay never overflows above the diagonal
-    diff = G[:, :, None, :] - G[:, None, :, :]
-    decay = diff.masked_fill(~causal, float("-inf")).exp()
+    decay = exp_where(G[:, :, None, :] - G[:, None, :, :], causal)
     A_kk = torch.einsum("hic,hjc,hijc->hij", k, k, decay)
     return A_kk, torch.einsum("hic,hjc,hijc->hij", q, k, decay)
 

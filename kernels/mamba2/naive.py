@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ..delta_rule.naive import spans, split_chunks, start_state
+from ..delta_rule.naive import causal_mask, exp_where, spans, split_chunks, start_state
 
 
 def prepare_inputs(x, dt, A, B, C, D):
@@ -59,8 +59,8 @@ def naive_recurrent_mamba2(
     )
 
 
-def segment_sums(a: torch.Tensor) -> torch.Tensor:
-    """a [..., C] -> [..., C, C]: out[i, j] = a_{j+1} + ... + a_i for j <= i, -inf above.
+def segment_decays(a: torch.Tensor) -> torch.Tensor:
+    """a [..., C] -> [..., C, C]: out[i, j] = exp(a_{j+1} + ... + a_i) for j <= i, 0 above.
 
     Summed directly rather than as a difference of cumulative sums, which loses precision."""
     size = a.shape[-1]
@@ -68,7 +68,7 @@ def segment_sums(a: torch.Tensor) -> torch.Tensor:
     terms = a[..., :, None].expand(*a.shape, size)  # terms[..., k, j] = a_k
     terms = terms.masked_fill(idx[:, None] <= idx[None, :], 0.0)  # keep k > j
     sums = terms.cumsum(-2)  # sums[..., i, j] = sum over j < k <= i
-    return sums.masked_fill(idx[:, None] < idx[None, :], float("-inf"))
+    return exp_where(sums, causal_mask(size, a.device))
 
 
 def _chunk_one(x, dt, B, C, A, D, S, chunk_size: int):
@@ -82,7 +82,7 @@ def _chunk_one(x, dt, B, C, A, D, S, chunk_size: int):
     y = torch.empty_like(x_dt)
     for c in range(x_dt.shape[1]):
         xc, Bc, Cc, ac = x_dt[:, c], B[:, c], C[:, c], a_cum[:, c]
-        mixing = (Cc @ Bc.transpose(-1, -2)) * segment_sums(a[:, c]).exp()
+        mixing = (Cc @ Bc.transpose(-1, -2)) * segment_decays(a[:, c])
         y[:, c] = mixing @ xc + ac.exp()[..., None] * (Cc @ S.transpose(-1, -2))
         to_end = (ac[:, -1:] - ac).exp()[..., None]
         S = S * ac[:, -1].exp()[:, None, None] + (xc * to_end).transpose(-1, -2) @ Bc

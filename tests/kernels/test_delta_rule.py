@@ -16,6 +16,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import kernels  # noqa: E402
+from kernels.delta_rule.naive import causal_mask, exp_where  # noqa: E402
 from kernels.gdn import chunk_gdn, recurrent_gdn  # noqa: E402
 from kernels.gdn.naive import naive_chunk_gdn, naive_recurrent_gdn  # noqa: E402
 from kernels.kda import chunk_kda, recurrent_kda  # noqa: E402
@@ -162,8 +163,9 @@ def test_triton_no_tokens_returns_initial_state(kind, backend):
         assert o.shape == (2, 0, 2, 32) and torch.equal(s, x["initial_state"])
 
 
-def test_naive_chunk_equals_naive_recurrent(kind, rel_err):
-    x = make_inputs(kind, B=2, T=100, H=1, HV=2, K=16, V=32)
+@pytest.mark.parametrize("T", [100, 128])  # a padded last chunk, and whole chunks only
+def test_naive_chunk_equals_naive_recurrent(kind, rel_err, T):
+    x = make_inputs(kind, B=2, T=T, H=1, HV=2, K=16, V=32)
     ref_o, ref_s = kind.naive_recurrent(**x, output_final_state=True, use_qk_l2norm=True)
     for chunk_size in (16, 64):
         o, s = kind.naive_chunk(
@@ -323,3 +325,15 @@ def compile_jobs(kind: Kind) -> list[tuple]:
 @pytest.mark.kernels
 def test_kernels_compile_for_sm90(kind, compile_sm90):
     assert all(".entry" in ptx for ptx in compile_sm90(compile_jobs(kind)))
+
+
+def test_exp_where_is_exp_of_minus_inf_masking_bit_for_bit():
+    """The intra-chunk decays zero their masked entries without an exp of -inf (slow on the
+    CPU): the kept entries have exp's bits, the masked ones exactly 0, even where exp of the
+    masked value would overflow."""
+    x = torch.randn(6, 32, 32) * 30  # above the diagonal, exp overflows in places
+    keep = causal_mask(32, x.device)
+    assert torch.isinf(x.exp()[:, ~keep]).any()
+    ours = exp_where(x, keep)
+    assert torch.equal(ours, x.masked_fill(~keep, float("-inf")).exp())
+    assert torch.equal(ours[:, keep], x.exp()[:, keep])

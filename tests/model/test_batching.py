@@ -270,3 +270,40 @@ def test_tp2_batched_equals_one_by_one(tmp_path):
     for i, ((ours0, ref0), (ours1, ref1)) in enumerate(zip(*ranks, strict=True)):
         assert torch.equal(ours0, ours1) and torch.equal(ref0, ref1), "ranks disagree"
         assert_same_choices(ours0, ref0, f"request {i}")
+
+
+# six sequences' slots of 12: one run, two runs, and more runs than the slices are used for
+SLOT_LAYOUTS = {
+    "one run": [3, 4, 5, 6, 7, 8],
+    "two runs": [0, 1, 2, 9, 10, 11],
+    "scattered": [10, 0, 8, 2, 6, 4],
+}
+
+
+@pytest.mark.parametrize("layout", SLOT_LAYOUTS)
+def test_state_slices_equal_gather_and_scatter_bit_for_bit(model, layout, monkeypatch):
+    """Steps read and write the states of consecutive slots as slices of the cache, and
+    those of scattered slots by gather and scatter (`varlen.MAX_SLICED_RUNS`): caches and
+    logits have the same bits either way, after a prefill and after decode steps."""
+    from transfer.model.layers import varlen
+
+    slots = SLOT_LAYOUTS[layout]
+    prompts = [random_prompt(model.geometry.vocab_size, 5 + 7 * i) for i in range(len(slots))]
+    runs = []
+    for max_runs in (varlen.MAX_SLICED_RUNS, -1):  # the default, then never sliced
+        monkeypatch.setattr(varlen, "MAX_SLICED_RUNS", max_runs)
+        e = engines(model, num_slots=12)
+        blocks = [[4 * i, 4 * i + 1, 4 * i + 2, 4 * i + 3] for i in range(len(slots))]
+        steps = [SequenceStep(p, s, b) for p, s, b in zip(prompts, slots, blocks, strict=True)]
+        logits = [e.batch.step_logits(steps)]
+        for k in range(3):
+            tokens = logits[-1].argmax(-1).tolist()
+            logits.append(e.batch.step_logits([
+                SequenceStep.decode(t, s, b, len(p) + k)
+                for t, s, b, p in zip(tokens, slots, blocks, prompts, strict=True)
+            ]))  # fmt: skip
+        runs.append((torch.stack(logits), {k: t.clone() for k, t in e.caches.tensors.items()}))
+    (sliced, sliced_caches), (gathered, gathered_caches) = runs
+    assert torch.equal(sliced, gathered)
+    for key, tensor in gathered_caches.items():
+        assert torch.equal(sliced_caches[key], tensor), key

@@ -12,7 +12,14 @@ from transfer.errors import InvalidInput
 from transfer.model.caches import LocalCaches
 from transfer.model.reference import reference_generate, reference_model
 from transfer.model.runner import RankEngine
-from transfer.model.sampling import Sampler, choose, logprob_of, stream_seed
+from transfer.model.sampling import (
+    Sampler,
+    choose,
+    choose_rows,
+    logprob_of,
+    logprobs_of,
+    stream_seed,
+)
 from transfer.presets import get_preset
 
 PROMPT = [11, 400, 23, 5, 97, 310, 2, 64, 128, 7]
@@ -112,3 +119,17 @@ def test_logprobs_cross_the_wire():
     assert convert.ticket_from_pb(convert.ticket_to_pb(ticket)) == ticket
     event = TokenEvent("r", 5, 1, logprob=-1.5)
     assert convert.token_event_from_pb(convert.token_event_to_pb(event)) == event
+
+
+def test_a_batch_of_rows_picks_and_scores_each_row_as_alone():
+    """The batched step picks the greedy rows in one argmax and scores every row in one log
+    softmax: the same tokens and logprob bits as row by row, sampled rows beside them."""
+    logits = torch.randn(9, 512) * 4
+    samplers = [Sampler() if i % 3 else Sampler(0.8, top_p=0.9, seed=i) for i in range(9)]
+    indices = list(range(5, 14))
+    tokens = choose_rows(logits, samplers, indices)
+    assert tokens == [
+        choose(row, s, i) for row, s, i in zip(logits, samplers, indices, strict=True)
+    ]
+    batched = logprobs_of(logits, tokens)
+    assert batched.tolist() == [logprob_of(row, t) for row, t in zip(logits, tokens, strict=True)]

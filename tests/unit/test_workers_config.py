@@ -20,7 +20,7 @@ from transfer.serving.serve import (
     interface_of,
     tls_configs,
 )
-from transfer.serving.serve_options import ServeOptions
+from transfer.serving.serve_options import ANY_PORT, ServeOptions
 
 
 @pytest.mark.parametrize("model", ["tiny-qwen3-next", "tiny-kimi-linear", "tiny-nemotron-h"])
@@ -163,3 +163,15 @@ def test_every_serve_flag_is_a_serve_option():
     assert flags == {f.name for f in fields(ServeOptions)}
     options = ServeOptions.from_values(parsed)
     assert options.prefill == () and options.role == "router"
+
+
+def test_metrics_port_takes_a_port_off_or_any(capsys):
+    """`--metrics-port any` leaves the choice to the OS (the process names it on its READY
+    line); anything but a port or `any` is refused, naming the flag."""
+    assert serve_args("decode", "--metrics-port", "any").metrics_port == ANY_PORT
+    assert serve_args("decode", "--metrics-port", "0").metrics_port == 0
+    assert serve_args("decode", "--metrics-port", "9500").metrics_port == 9500
+    for bad in ("70000", "-1", "anywhere"):
+        with pytest.raises(SystemExit):
+            serve_args("decode", "--metrics-port", bad)
+        assert "--metrics-port" in capsys.readouterr().err

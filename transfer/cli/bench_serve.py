@@ -26,7 +26,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Start a prefill instance, a decode instance and a router on this machine, "
         "then, for each concurrency C, let C clients send requests back to back until "
         "--requests were served. Reports output tokens/s and p50/p99 TTFT, inter-token latency, "
-        "end-to-end latency and transfer time per concurrency.",
+        "end-to-end latency and transfer time per concurrency, and the decode instance's "
+        "mean batch size and step time (from its /metrics).",
     )
     add_served_model_arguments(parser, default_model="tiny-qwen3-next")
     parser.add_argument(
@@ -109,6 +110,7 @@ def _concurrencies(text: str) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from transfer.bench.decode_steps import read_step_totals
     from transfer.bench.serve_load import run_load
     from transfer.presets import load_geometry
     from transfer.serving.local import LocalPair, LocalPairConfig
@@ -131,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
         args.gpu_mem, "cpu", max_seqs, seed=args.seed, timeout_s=args.timeout,
         max_num_batched_tokens=args.max_num_batched_tokens,
         prefix_cache=args.prefix_cache, checkpoint_interval=args.checkpoint_interval,
-        transfer_mode=args.transfer_mode, stream_layers=args.stream_layers,
+        transfer_mode=args.transfer_mode, stream_layers=args.stream_layers, metrics=True,
     )  # fmt: skip
     pair = LocalPair(config, run_dir)
     results = []
@@ -140,14 +142,18 @@ def run(args: argparse.Namespace) -> int:
               f"max_num_seqs={max_seqs}; logs in {run_dir}", file=sys.stderr)  # fmt: skip
         pair.start_workers()
         address = pair.start_router()
+        decode_metrics = pair.procs[1].metrics_port
         for level in levels:
+            before = read_step_totals(decode_metrics)
             result = run_load(
                 address, pair.token, conversations, args.max_tokens, level, args.timeout
             )
+            steps = read_step_totals(decode_metrics).since(before)
             print(f"bench serve: concurrency {level}: {result.output_tokens_per_s:.1f} tok/s, "
                   f"ttft p50 {result.ttft_ms['p50']:.0f} ms, itl p50 {result.itl_ms['p50']:.1f} ms, "
+                  f"decode batch mean {steps['decode_batch_mean']:.1f}, "
                   f"{result.failed} failed", file=sys.stderr)  # fmt: skip
-            results.append(result.to_dict())
+            results.append(result.to_dict() | steps)
     finally:
         pair.close()
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -169,12 +175,12 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        header = f"{'conc':>5} {'tok/s':>9} {'ttft p50':>9} {'ttft p99':>9} {'itl p50':>8} {'e2e p50':>8} {'xfer p50':>8} {'failed':>6}"
+        header = f"{'conc':>5} {'tok/s':>9} {'ttft p50':>9} {'ttft p99':>9} {'itl p50':>8} {'e2e p50':>8} {'xfer p50':>8} {'batch':>6} {'failed':>6}"
         print(header)
         for r in results:
             print(f"{r['concurrency']:>5} {r['output_tokens_per_s']:>9.1f} {r['ttft_ms']['p50']:>9.1f} "
                   f"{r['ttft_ms']['p99']:>9.1f} {r['itl_ms']['p50']:>8.1f} {r['e2e_ms']['p50']:>8.1f} "
-                  f"{r['transfer_ms']['p50']:>8.2f} {r['failed']:>6}")  # fmt: skip
+                  f"{r['transfer_ms']['p50']:>8.2f} {r['decode_batch_mean']:>6.1f} {r['failed']:>6}")  # fmt: skip
     return 0 if all(r["failed"] == 0 for r in results) else 1
 
 

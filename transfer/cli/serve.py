@@ -8,6 +8,7 @@ import os
 from transfer.cli.model_args import add_served_model_arguments
 from transfer.serving.checkpoints import DEFAULT_STATE_CHECKPOINTS
 from transfer.serving.progress import DEFAULT_STREAM_LAYERS, TRANSFER_MODES
+from transfer.serving.serve_options import ANY_PORT
 
 ROLES = ("prefill", "decode", "router")
 
@@ -162,6 +163,18 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _metrics_port(text: str) -> int:
+    if text == "any":
+        return ANY_PORT
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port in [0, 65535] or 'any', got {text!r}")
+    return port
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "serve",
@@ -176,9 +189,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--metrics-port",
-        type=int,
+        type=_metrics_port,
         default=9400,
-        help="Prometheus /metrics port (default 9400; 0 = off)",
+        help="Prometheus /metrics port (default 9400; 0 = off; 'any' = one the OS picks, "
+        "announced on the READY line)",
     )
     add_security_arguments(parser)
     add_worker_arguments(parser)

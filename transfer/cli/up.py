@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
             for i in range(count):
                 name = f"{role}-{i}"
                 flags = [*common, "--tp", str(tp), "--instance-id", name,
-                         "--metrics-port", str(_free_port(args.host))]  # fmt: skip
+                         "--metrics-port", "any"]  # fmt: skip
                 workers.append(start_serve(role, flags, run_dir / name, env))
         procs += workers
         wait_ready(workers, args.timeout)

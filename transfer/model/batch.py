@@ -55,7 +55,10 @@ class Part:
     cu_seqlens [Ng+1] int64: their bounds within those Tg tokens; slots [Ng] int64;
     fresh [Ng] bool: no context yet, so the state starts from zeros (never read from the
     slot); num_fresh: how many are fresh; span: the same tokens as a slice when they are one
-    run (always so in a step of one kind), which reads a view and writes without an index.
+    run (always so in a step of one kind), which reads a view and writes without an index;
+    slot_runs: (first sequence, first slot, count) of each run of sequences whose slots
+    follow one another, in order, so that their states are one slice of a cache, read and
+    written without an index.
     """
 
     chunked: bool
@@ -65,6 +68,7 @@ class Part:
     fresh: torch.Tensor
     num_fresh: int
     span: slice | None = None
+    slot_runs: tuple[tuple[int, int, int], ...] = ()
 
     def take(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, ...] -> this part's rows [Tg, ...] (a view when the part is one run)."""
@@ -149,9 +153,8 @@ def make_batch(
         context[seq_of_token] + torch.arange(bounds[-1], device=device) - starts[seq_of_token]
     )
     width = max(len(s.block_ids) for s in sequences)
-    tables = torch.full((len(sequences), width), -1, dtype=torch.long, device=device)
-    for i, s in enumerate(sequences):
-        tables[i, : len(s.block_ids)] = longs(s.block_ids)
+    padded_tables = [[*s.block_ids, *[-1] * (width - len(s.block_ids))] for s in sequences]
+    tables = torch.tensor(padded_tables, dtype=torch.long, device=device)
     if caches is None or width == 0:
         token_blocks = token_offsets = longs(())
     else:
@@ -186,6 +189,7 @@ def _part(sequences, bounds, slots, chunked: bool, device) -> Part | None:
         tokens.extend(range(bounds[i], bounds[i + 1]))
         cu.append(len(tokens))
     fresh = [sequences[i].context_len == 0 for i in members]
+    member_slots = [sequences[i].slot for i in members]
     index = torch.tensor(members, dtype=torch.long, device=device)
     first, end = bounds[members[0]], bounds[members[-1] + 1]
     one_run = end - first == len(tokens)
@@ -197,4 +201,15 @@ def _part(sequences, bounds, slots, chunked: bool, device) -> Part | None:
         fresh=torch.tensor(fresh, dtype=torch.bool, device=device),
         num_fresh=sum(fresh),
         span=slice(first, end) if one_run else None,
+        slot_runs=_runs(member_slots),
     )
+
+
+def _runs(slots: list[int]) -> tuple[tuple[int, int, int], ...]:
+    runs: list[tuple[int, int, int]] = []
+    for i, slot in enumerate(slots):
+        if runs and runs[-1][1] + runs[-1][2] == slot:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((i, slot, 1))
+    return tuple(runs)

@@ -18,7 +18,7 @@ from transfer.errors import InvalidInput
 from transfer.model.batch import SequenceStep, make_batch
 from transfer.model.layers.common import AfterLayer
 from transfer.model.runner import RankEngine, blocks_needed, is_index
-from transfer.model.sampling import GREEDY, Pick, Sampler, choose, logprob_of
+from transfer.model.sampling import GREEDY, Pick, Sampler, choose_rows, logprobs_of
 
 
 @dataclass(frozen=True)
@@ -79,10 +79,9 @@ class BatchEngine:
                 f"{len(samplers)} and {len(indices)}"
             )
         logits = self.step_logits(sequences, after_layer)
-        picked = [choose(row, sampler, index) for row, sampler, index in
-                  zip(logits, samplers, indices, strict=True)]  # fmt: skip
-        rows = [[t, logprob_of(row, t)] for row, t in zip(logits, picked, strict=True)]
-        picks = torch.tensor(rows, dtype=torch.float64)
+        picked = choose_rows(logits, samplers, indices)
+        tokens = torch.tensor(picked, dtype=torch.float64, device=logits.device)
+        picks = torch.stack([tokens, logprobs_of(logits, picked).double()], dim=1)
         picks = self.engine.tp.broadcast_(picks.to(self.engine.device), src=0).cpu()
         return StepOutput(logits, tuple(Pick(int(t), float(lp)) for t, lp in picks.tolist()))
 

@@ -8,6 +8,7 @@ picks index 0, decode the rest).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -70,6 +71,25 @@ def choose(logits: torch.Tensor, sampler: Sampler, index: int) -> int:
     generator = torch.Generator().manual_seed(stream_seed(sampler.seed, index))
     at = int(torch.multinomial(kept, 1, generator=generator).item())
     return int(order[at].item()) if order is not None else at
+
+
+def choose_rows(
+    logits: torch.Tensor, samplers: Sequence[Sampler], indices: Sequence[int]
+) -> list[int]:
+    """`choose` for each row of logits [B, vocab]; the greedy rows in one argmax (a row's
+    argmax is the same alone or among others)."""
+    greedy = logits.argmax(-1).tolist() if any(s.greedy for s in samplers) else None
+    return [
+        greedy[i] if sampler.greedy else choose(row, sampler, index)
+        for i, (row, sampler, index) in enumerate(zip(logits, samplers, indices, strict=True))
+    ]
+
+
+def logprobs_of(logits: torch.Tensor, tokens: Sequence[int]) -> torch.Tensor:
+    """fp32 [B]: `logprob_of` each row of logits [B, vocab] and its token, in one pass (a
+    row's log softmax has the same bits alone or among others)."""
+    picked = torch.tensor(tokens, dtype=torch.long, device=logits.device)[:, None]
+    return torch.log_softmax(logits.detach().float(), dim=-1).gather(1, picked)[:, 0]
 
 
 def logprob_of(logits: torch.Tensor, token: int) -> float:

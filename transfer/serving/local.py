@@ -8,7 +8,6 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from transfer.net import free_port
 from transfer.serving.procs import (
     LAUNCH_ID_ENV,
     ServeProcess,
@@ -35,7 +34,7 @@ class LocalPairConfig:
     dump_dir: Path | None = None
     timeout_s: float = 300.0
     lease_s: float = 30.0
-    metrics: bool = False  # serve /metrics on each worker (a free port each)
+    metrics: bool = False  # serve /metrics on each worker (on a port it picks and announces)
     max_num_batched_tokens: int = 2048
     staging_mib: int = 8
     prefix_cache: bool = True  # both instances' prefix caches (--[no-]prefix-cache)
@@ -64,7 +63,7 @@ class LocalPair:
         c = self.config
         return [
             "--host", "127.0.0.1", "--port", str(port), "--model", c.model,
-            "--metrics-port", str(free_port() if c.metrics else 0),
+            "--metrics-port", "any" if c.metrics else "0",
             "--ssm-dtype", c.ssm_dtype, "--transport", c.transport, "--gpu-mem", c.gpu_mem,
             "--device", c.device, "--max-seqs", str(c.max_seqs),
             "--max-num-batched-tokens", str(c.max_num_batched_tokens),

@@ -339,16 +339,22 @@ class RankWorker:
         return TokenPick(pick.token, pick.logprob)
 
     def decode_batch(self, steps: Sequence[DecodeStep]) -> tuple[TokenPick, ...]:
-        tokens = [self._fed_token(s.token, s.position, s.slot) for s in steps]
+        # Run in slot order: the states of consecutive slots are one slice of each cache,
+        # read and written without a gather (transfer.model.layers.varlen).
+        order = sorted(range(len(steps)), key=lambda i: steps[i].slot)
+        ordered = [steps[i] for i in order]
+        tokens = [self._fed_token(s.token, s.position, s.slot) for s in ordered]
         sequences = [
             SequenceStep.decode(t, s.slot, s.block_ids, s.position)
-            for t, s in zip(tokens, steps, strict=True)
+            for t, s in zip(tokens, ordered, strict=True)
         ]
-        samplers = [_sampler(s.sampling) for s in steps]
-        output = self.batch.step(sequences, samplers, [s.index for s in steps])
-        for s, p in zip(steps, output.picks, strict=True):
+        samplers = [_sampler(s.sampling) for s in ordered]
+        output = self.batch.step(sequences, samplers, [s.index for s in ordered])
+        picks = {}
+        for i, s, p in zip(order, ordered, output.picks, strict=True):
             self.picked[s.slot] = (s.position + 1, p.token)
-        return tuple(TokenPick(p.token, p.logprob) for p in output.picks)
+            picks[i] = TokenPick(p.token, p.logprob)
+        return tuple(picks[i] for i in range(len(steps)))
 
     def _fed_token(self, token: int | None, position: int, slot: int) -> int:
         if token is not None:

@@ -28,7 +28,7 @@ from transfer.control.server import serve as serve_control
 from transfer.net import free_port
 from transfer.serving.procs import ready_line
 from transfer.serving.router import Router, RouterMetrics, join_address
-from transfer.serving.serve_options import ServeOptions
+from transfer.serving.serve_options import ANY_PORT, ServeOptions
 from transfer.units import parse_size
 
 logger = logging.getLogger("pdxfer.serve")
@@ -152,7 +152,8 @@ def _threads(options: ServeOptions) -> int:
 def _metrics(options: ServeOptions, metrics):
     if not options.metrics_port:
         return None
-    return serve_metrics(metrics, host=options.host, port=options.metrics_port)
+    port = 0 if options.metrics_port == ANY_PORT else options.metrics_port
+    return serve_metrics(metrics, host=options.host, port=port)
 
 
 def _serve_router(

@@ -13,13 +13,17 @@ from typing import Any
 from transfer.serving.checkpoints import DEFAULT_STATE_CHECKPOINTS
 from transfer.serving.progress import DEFAULT_STREAM_LAYERS
 
+# `--metrics-port any`: the process binds a port the OS picks and announces it on its
+# READY line, so a launcher never races another process for a port it chose free.
+ANY_PORT = -1
+
 
 @dataclass(frozen=True)
 class ServeOptions:
     role: str  # "prefill" | "decode" | "router"
     host: str = "127.0.0.1"
     port: int = 50051
-    metrics_port: int = 9400
+    metrics_port: int = 9400  # 0: off; ANY_PORT: one the OS picks
     auth_token_file: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None

@@ -26,15 +26,33 @@ def scan_chunk_size(device: torch.device) -> int:
     return 64 if device.type == "cuda" else 32
 
 
+# More runs than this and one gather plus one scatter cost less than a copy per run.
+MAX_SLICED_RUNS = 4
+
+
 def initial_states(cache: torch.Tensor, part: Part, dtype: torch.dtype) -> torch.Tensor | None:
     """[Ng, ...] states entering `part`'s sequences: the slot's for those with context, zeros
-    for fresh ones; None when all are fresh (the kernels' own zero start)."""
+    for fresh ones; None when all are fresh (the kernels' own zero start). When the slots are
+    one run, a view of the cache: the kernels only read their initial states."""
     if part.num_fresh == len(part.fresh):
         return None
+    if not part.num_fresh and len(part.slot_runs) == 1 and cache.dtype == dtype:
+        _, slot, count = part.slot_runs[0]
+        return cache[slot : slot + count]
     states = cache.index_select(0, part.slots).to(dtype)  # a row copy per slot
     if part.num_fresh:
         states[part.fresh] = 0
     return states.contiguous()
+
+
+def store_states(cache: torch.Tensor, part: Part, final: torch.Tensor) -> None:
+    """final [Ng, ...] -> the rows of `part`'s slots in cache [slots, ...]: a slice copy per
+    run of slots when they are few, else one scatter."""
+    if len(part.slot_runs) <= MAX_SLICED_RUNS:
+        for row, slot, count in part.slot_runs:
+            cache[slot : slot + count].copy_(final[row : row + count])
+    else:
+        cache.index_copy_(0, part.slots, final.to(cache.dtype))
 
 
 def short_conv(
@@ -55,13 +73,23 @@ def short_conv(
             output_final_state=cache is not None, cu_seqlens=part.cu_seqlens,
         )  # fmt: skip
         if cache is not None:
-            cache[part.slots] = final.to(cache.dtype)
+            store_states(cache, part, final)
         part.put(y, out[0])
     part = batch.decode
-    if part is not None:
+    if part is None:
+        return y
+    rows = part.take(x)
+    if len(part.slot_runs) > MAX_SLICED_RUNS:
         window = cache.index_select(0, part.slots)
-        part.put(y, causal_conv1d_update(part.take(x), window, weight, bias))
-        cache[part.slots] = window
+        part.put(y, causal_conv1d_update(rows, window, weight, bias))
+        cache.index_copy_(0, part.slots, window)
+        return y
+    # each run's windows shift in place, where they are
+    out = [
+        causal_conv1d_update(rows[row : row + count], cache[slot : slot + count], weight, bias)
+        for row, slot, count in part.slot_runs
+    ]
+    part.put(y, out[0] if len(out) == 1 else torch.cat(out))
     return y
 
 
@@ -79,7 +107,7 @@ def scan(
         init = None if cache is None else initial_states(cache, part, torch.float32)
         o, final = run(part, [part.take(t)[None] for t in inputs], init)
         if cache is not None:
-            cache[part.slots] = final.to(cache.dtype)
+            store_states(cache, part, final)
         num_tokens = batch.token_ids.shape[0]
         if part.span == slice(0, num_tokens):  # the whole step: no copy
             return o[0]
@@ -129,7 +157,8 @@ def decode_attention(
     keys, values = (
         c.index_select(0, table).view(n, length, *c.shape[2:]).float() for c in (k_cache, v_cache)
     )  # [Nd, L, HK, D|Dv]
-    values[invalid] = 0.0
+    stale = invalid.flatten().nonzero().squeeze(1)  # a row fill, not a broadcast mask
+    values.view(n * length, -1).index_fill_(0, stale, 0.0)
     heads, kv_heads = rows.shape[1], keys.shape[2]
     # query head h reads key head h // group: per key head, its group's queries at once,
     # over strided views of the gathered rows (no copy into a head-major layout)
