@@ -265,9 +265,7 @@ class RankGroup:
 
     def call(self, command: RankCommand[R], timeout_s: float = 300.0) -> list[R]:
         """Run `command` on every rank of the group; the per-rank results in rank order."""
-        if self.link is None:
-            raise RankGroupDead("only the node holding rank 0 commands the group")
-        return self.link.call(command, timeout_s)
+        return self.submit(command).result(timeout_s)
 
     def submit(self, command: RankCommand[R]) -> Pending[R]:
         """Send `command` to every rank of the group; its answer comes from `.result()`.

@@ -82,7 +82,7 @@ def short_conv(
     if len(part.slot_runs) > MAX_SLICED_RUNS:
         window = cache.index_select(0, part.slots)
         part.put(y, causal_conv1d_update(rows, window, weight, bias))
-        cache.index_copy_(0, part.slots, window)
+        store_states(cache, part, window)
         return y
     # each run's windows shift in place, where they are
     out = [
