@@ -60,6 +60,8 @@ def test_varlen_matches_separate_sequences(backend, rel_err, dtype):
             )
             if eos > bos:
                 assert rel_err(y[:, bos:eos], y_n) < BOUND[dtype], name
+                # the reference computes each output alone, whatever else is in the call
+                assert name != "torch" or torch.equal(y[:, bos:eos], y_n)
             assert torch.equal(final[n], final_n[0]), name
 
 

@@ -44,6 +44,7 @@ from transfer.serving.commands import (
     TransferState,
     TransferStatus,
 )
+from transfer.serving.host_malloc import keep_freed_memory
 from transfer.serving.progress import entry_offset, progress_area_bytes
 from transfer.serving.spec import (
     WARMUP_BYTES,
@@ -108,6 +109,7 @@ class RankWorker:
             # step's CPU time (docs/benchmarks.md, "Serving") and changes only values
             # below 1.2e-38, the smallest normal float.
             torch.set_flush_denormal(True)
+            keep_freed_memory()
         self.layout = layout_for(spec)
         self.arena = Arena.allocate(self.layout, device)
         self.arena.buffer.zero_()
