@@ -109,6 +109,8 @@ def spare(tmp_path_factory, cluster):
 
 def assert_idle(*sides: Side) -> None:
     for side in sides:
+        if isinstance(side.worker, PrefillWorker):
+            assert side.worker.settle(), "prefill frees still running after 30 s"
         pools = side.instance.pools
         assert pools.blocks.num_free == pools.blocks.num_total, side.worker
         assert pools.slots.num_free == pools.slots.num_total, side.worker
@@ -226,7 +228,11 @@ def test_no_step_touches_a_slot_while_a_transfer_fills_it(cluster, spare):
         )
         os.kill(rank, signal.SIGSTOP)
         try:
-            ranks.call(TransferStart("bug6", peer.instance_id, reads.per_rank, slot, read, 60.0))
+            # the start answers at once, though it polls a small transfer for a moment
+            started = ranks.call(
+                TransferStart("bug6", peer.instance_id, reads.per_rank, slot, read, 60.0)
+            )
+            assert started[0].state is TransferState.PENDING
             time.sleep(0.5)
             assert ranks.call(TransferPoll("bug6"))[0].state is TransferState.PENDING
             with pytest.raises(RankCommandError) as refused:

@@ -92,6 +92,8 @@ def cached_tokens_of(model: str, prefill: Side, decode: Side, rid: str, ids: lis
 
 def assert_idle(side: Side) -> None:
     """Every block is free or the cache's; every request slot is free; no ticket lives."""
+    if isinstance(side.worker, PrefillWorker):
+        assert side.worker.settle(), "prefill frees still running after 30 s"
     pools, prefix = side.instance.pools, side.instance.prefix
     cached = prefix.stats().cached_blocks if prefix is not None else 0
     assert pools.blocks.num_free + cached == pools.blocks.num_total

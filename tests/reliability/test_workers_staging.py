@@ -75,6 +75,8 @@ def pair(tmp_path_factory):
 
 def assert_idle(*sides: Side) -> None:
     for side in sides:
+        if isinstance(side.worker, PrefillWorker):
+            assert side.worker.settle(), "prefill frees still running after 30 s"
         pools, staging = side.instance.pools, side.instance.staging
         assert pools.blocks.num_free == pools.blocks.num_total, side.worker
         assert pools.slots.num_free == pools.slots.num_total, side.worker

@@ -10,7 +10,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from transfer.control import convert
 from transfer.control.auth import TlsConfig, channel_credentials, token_metadata
-from transfer.control.errors import ControlError
+from transfer.control.decode_mux import DecodeMux
+from transfer.control.errors import ControlError, control_error_of
 from transfer.control.gen import transfer_pb2, transfer_pb2_grpc, worker_pb2, worker_pb2_grpc
 from transfer.control.types import (
     DecodeRequest,
@@ -103,7 +104,7 @@ class _Client:
         try:
             return method(request, timeout=timeout, metadata=self._metadata)
         except grpc.RpcError as err:
-            raise _control_error(err) from None
+            raise control_error_of(err) from None
 
     def _stream(
         self, method: Callable, request, convert_event: Callable, timeout_s: float | None = None
@@ -115,7 +116,7 @@ class _Client:
             for event in call:
                 yield convert_event(event)
         except grpc.RpcError as err:
-            raise _control_error(err) from None
+            raise control_error_of(err) from None
         finally:
             call.cancel()  # a no-op once the stream has ended; stops it if the caller stopped early
 
@@ -185,9 +186,13 @@ class PrefillClient(_Client):
 
 
 class DecodeClient(_Client):
+    """A decode instance's DecodeService. Every `decode` shares one DecodeMany call
+    (`transfer.control.decode_mux`); `decode_alone` is a Decode call of its own."""
+
     def __init__(self, address: str, **kwargs):
         super().__init__(address, **kwargs)
         self._stub = worker_pb2_grpc.DecodeServiceStub(self._channel)
+        self._mux = DecodeMux(lambda calls: self._stub.DecodeMany(calls, metadata=self._metadata))
 
     def register_prefill(self, addresses: list[str]) -> None:
         """Tell the decode instance which prefill instances (HOST:PORT) it may dial."""
@@ -195,9 +200,18 @@ class DecodeClient(_Client):
         self._call(self._stub.RegisterPrefill, request)
 
     def decode(self, request: DecodeRequest) -> Iterator[TokenEvent]:
+        """The request's token stream, over the shared DecodeMany call."""
+        return self._mux.decode(request)
+
+    def decode_alone(self, request: DecodeRequest) -> Iterator[TokenEvent]:
+        """The request's token stream, over a Decode call of its own."""
         return self._stream(
             self._stub.Decode, convert.decode_request_to_pb(request), convert.token_event_from_pb
         )
+
+    def close(self) -> None:
+        self._mux.close()
+        super().close()
 
 
 class RouterClient(_Client):
@@ -216,10 +230,3 @@ class RouterClient(_Client):
             convert.token_event_from_pb,
             timeout_s=timeout_s,
         )
-
-
-def _control_error(err: grpc.RpcError) -> ControlError:
-    # A grpc.RpcError raised by a call is also a grpc.Call, which carries the status.
-    code = err.code() if isinstance(err, grpc.Call) else None
-    details = err.details() if isinstance(err, grpc.Call) else str(err)
-    return ControlError(code.name if code is not None else "UNKNOWN", details or "")

@@ -6,6 +6,8 @@ status code; the client raises `ControlError` carrying the code the server answe
 
 from __future__ import annotations
 
+import grpc
+
 from transfer.errors import (
     Cancelled,
     CapacityError,
@@ -78,3 +80,11 @@ def status_code_name(exc: BaseException) -> str:
         if isinstance(exc, kind):
             return code
     return "INTERNAL"
+
+
+def control_error_of(err: grpc.RpcError) -> ControlError:
+    """The ControlError a client raises for a failed call."""
+    # A grpc.RpcError raised by a call is also a grpc.Call, which carries the status.
+    code = err.code() if isinstance(err, grpc.Call) else None
+    details = err.details() if isinstance(err, grpc.Call) else str(err)
+    return ControlError(code.name if code is not None else "UNKNOWN", details or "")

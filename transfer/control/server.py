@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterable
 from concurrent import futures
 from dataclasses import dataclass
@@ -45,13 +46,16 @@ class ControlServer:
     services: tuple[str, ...]
     _server: grpc.Server
     _health: health.HealthServicer
+    # set while NOT_SERVING: calls that are open already (DecodeMany) start nothing new
+    _draining: threading.Event
 
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
     def set_serving(self, serving: bool) -> None:
-        """Flip every health status, e.g. to NOT_SERVING while draining before `stop`."""
+        """Flip every health status, e.g. to NOT_SERVING while draining before `stop`;
+        while NOT_SERVING, open DecodeMany calls start no new decode either."""
         status = (
             health_pb2.HealthCheckResponse.SERVING
             if serving
@@ -59,6 +63,10 @@ class ControlServer:
         )
         for name in ("", *self.services):
             self._health.set(name, status)
+        if serving:
+            self._draining.clear()
+        else:
+            self._draining.set()
 
     def stop(self, grace: float | None = 1.0) -> None:
         """Stop accepting calls, let running ones finish for `grace` seconds, then wait for shutdown."""
@@ -158,6 +166,7 @@ def serve(
         options=SERVER_KEEPALIVE_OPTIONS,
     )
     services: list[str] = []
+    draining = threading.Event()
     if store is not None:
         transfer_pb2_grpc.add_TransferServiceServicer_to_server(
             TransferServicer(store, identity, stage), server
@@ -171,7 +180,7 @@ def serve(
         services.append(PREFILL_SERVICE)
     if decode is not None:
         worker_pb2_grpc.add_DecodeServiceServicer_to_server(
-            DecodeServicer(decode, register_prefill), server
+            DecodeServicer(decode, register_prefill, draining), server
         )
         services.append(DECODE_SERVICE)
     if generate is not None:
@@ -193,6 +202,6 @@ def serve(
     if port == 0:
         raise InvalidInput(f"address: could not bind {address!r}")
     server.start()
-    started = ControlServer(host, port, tuple(services), server, health_servicer)
+    started = ControlServer(host, port, tuple(services), server, health_servicer, draining)
     started.set_serving(True)
     return started

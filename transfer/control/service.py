@@ -9,11 +9,13 @@ instead of aborting, so they can be tested without a server.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Iterable, Iterator
 
 import grpc
 
 from transfer.control import convert
+from transfer.control.decode_many import DecodeManyCall
 from transfer.control.errors import CompatMismatch, ControlError, status_code_name
 from transfer.control.gen import transfer_pb2, transfer_pb2_grpc, worker_pb2, worker_pb2_grpc
 from transfer.control.tickets import TicketStore
@@ -139,9 +141,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
         self,
         decode: Callable[[DecodeRequest], Iterable[TokenEvent]],
         register_prefill: Callable[[list[str]], None] | None = None,
+        draining: threading.Event | None = None,
     ):
         self._decode = decode
         self._register_prefill = register_prefill
+        self._draining = draining if draining is not None else threading.Event()
 
     def register(self, m: worker_pb2.RegisterPrefillRequest) -> worker_pb2.RegisterPrefillReply:
         if self._register_prefill is None:
@@ -158,6 +162,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
         yield from stream(
             context, lambda m: self._decode(convert.decode_request_from_pb(m)), request
         )
+
+    def DecodeMany(self, request_iterator, context):
+        yield from DecodeManyCall(self._decode, self._draining).serve(request_iterator, context)
 
 
 class RouterServicer(worker_pb2_grpc.RouterServiceServicer):

@@ -142,9 +142,11 @@ class Release(RankCommand[None]):
 
 
 @dataclass(frozen=True)
-class TransferStart(RankCommand[None]):
+class TransferStart(RankCommand[TransferStatus]):
     """Mark `slot`/`block_ids` FILLING and post each rank's READs (`reads[rank]`); a
-    `stream` also starts reading the prefill ranks' progress."""
+    `stream` also starts reading the prefill ranks' progress. Answers the transfer's
+    status: DONE already for a small whole transfer that landed within the rank's
+    `TRANSFER_SETTLE_S`."""
 
     request_id: str
     instance: str
@@ -154,8 +156,8 @@ class TransferStart(RankCommand[None]):
     deadline_s: float
     stream: StreamSource | None = None  # more READs follow (`TransferPost`) as prefill runs
 
-    def apply(self, worker: RankWorker) -> None:
-        worker.transfer_start(
+    def apply(self, worker: RankWorker) -> TransferStatus:
+        return worker.transfer_start(
             self.request_id,
             self.instance,
             self.reads,

@@ -389,10 +389,12 @@ class DecodeWorker:
         failure, seconds, finished_at = "not started", 0.0, None
         sealed = planner is None
         try:
-            ranks.call(TransferStart(rid, peer.instance_id, reads, slot, blocks,
-                                     self.transfer_deadline_s, source))  # fmt: skip
-            while True:
+            # a small whole transfer is often DONE in the start's answer already
+            statuses = ranks.call(TransferStart(rid, peer.instance_id, reads, slot, blocks,
+                                                self.transfer_deadline_s, source))  # fmt: skip
+            if planner is not None:  # a stream's progress comes with its polls
                 statuses = ranks.call(TransferPoll(rid))
+            while True:
                 polled_at = time.perf_counter()
                 failed = [
                     f"rank {r}: {s.reason}"
@@ -423,6 +425,7 @@ class DecodeWorker:
                     last_beat = time.perf_counter()
                 waiting = planner is not None and finished_at is None
                 time.sleep(STREAM_POLL_S if waiting else POLL_INTERVAL_S)
+                statuses = ranks.call(TransferPoll(rid))
         finally:
             seconds = seconds or time.perf_counter() - begin
             if failure and self.metrics is not None:

@@ -32,6 +32,7 @@ from transfer.control.types import (
 from transfer.errors import CapacityError, InvalidInput, PdxferError
 from transfer.serving.checkpoints import checkpoint_positions, checkpoint_stops
 from transfer.serving.commands import Release, Snapshot, StageGather, TokenPick
+from transfer.serving.frees import FreeQueue
 from transfer.serving.instance import Instance
 from transfer.serving.prefill_batcher import PrefillBatcher
 from transfer.serving.progress import next_key
@@ -95,6 +96,7 @@ class PrefillWorker:
         self._jobs: dict[str, _Allocated] = {}  # streamed prompts still prefilling
         self._keys: dict[int, int] = {}  # slot -> the stream key it last had
         self._jobs_lock = threading.Lock()
+        self._frees = FreeQueue("prefill-frees")
         self.batcher = PrefillBatcher(
             instance.ranks, instance.config.max_num_batched_tokens, instance.prefix
         )
@@ -265,9 +267,20 @@ class PrefillWorker:
             job = self._jobs.pop(ticket.request_id, None)
         if job is not None:  # a stream still prefilling stops at its next chunk
             job.cancelled.set()
+        # The ticket is gone, so no caller can read its cache any more; the blocks and slot
+        # go back once the ranks have released the slot, off the caller's thread.
+        self._frees.put(lambda: self._free_published(ticket, job))
+
+    def _free_published(self, ticket: Ticket, job: _Allocated | None) -> None:
+        if job is not None:
             while not job.done.wait(JOB_WAIT_LOG_S):
                 logger.warning("request %r: waiting for its prefill to stop", ticket.request_id)
         self._free(ticket.request_id, ticket.slot_id)
+
+    def settle(self, timeout_s: float = 30.0) -> bool:
+        """Whether the cache of every request freed so far is back in the pools, waiting up
+        to `timeout_s`."""
+        return self._frees.wait_idle(timeout_s)
 
     def _free(self, request_id: str, slot: int) -> None:
         self.instance.staging.free(request_id)
@@ -281,6 +294,7 @@ class PrefillWorker:
     def close(self) -> None:
         self.batcher.close()
         self.store.stop()
+        self._frees.close()
 
 
 def _packed(src_offsets: tuple[int, ...], lengths: tuple[int, ...], start: int) -> Copies:

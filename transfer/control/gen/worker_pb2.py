@@ -25,31 +25,39 @@ _sym_db = _symbol_database.Default()
 from transfer.control.gen import transfer_pb2 as pdxfer_dot_v1_dot_transfer__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16pdxfer/v1/worker.proto\x12\tpdxfer.v1\x1a\x18pdxfer/v1/transfer.proto\"+\n\x16RegisterPrefillRequest\x12\x11\n\taddresses\x18\x01 \x03(\t\"\x16\n\x14RegisterPrefillReply\"J\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_p\x18\x02 \x01(\x01\x12\x11\n\x04seed\x18\x03 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"s\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12\x12\n\nmax_tokens\x18\x03 \x01(\x05\x12%\n\x08sampling\x18\x04 \x01(\x0b\x32\x13.pdxfer.v1.Sampling\"m\n\rDecodeRequest\x12!\n\x06ticket\x18\x01 \x01(\x0b\x32\x11.pdxfer.v1.Ticket\x12\x12\n\nmax_tokens\x18\x02 \x01(\x05\x12%\n\x08sampling\x18\x03 \x01(\x0b\x32\x13.pdxfer.v1.Sampling\"t\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12\x12\n\nmax_tokens\x18\x03 \x01(\x05\x12%\n\x08sampling\x18\x04 \x01(\x0b\x32\x13.pdxfer.v1.Sampling\"\x9c\x02\n\nTokenEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\x05\x12\r\n\x05index\x18\x03 \x01(\x05\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x0f\n\x07ttft_ms\x18\x05 \x01(\x01\x12\x13\n\x0btransfer_ms\x18\x06 \x01(\x01\x12\x10\n\x08kv_bytes\x18\x07 \x01(\x03\x12\x13\n\x0bstate_bytes\x18\x08 \x01(\x03\x12\x13\n\x0b\x64\x65scriptors\x18\t \x01(\x03\x12\x0f\n\x07logprob\x18\n \x01(\x01\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x0b \x01(\x03\x12\x1c\n\x14reused_decode_tokens\x18\x0c \x01(\x03\x12\x1b\n\x13\x65xposed_transfer_ms\x18\r \x01(\x01\x32I\n\x0ePrefillService\x12\x37\n\x07Prefill\x12\x19.pdxfer.v1.PrefillRequest\x1a\x11.pdxfer.v1.Ticket2\xa3\x01\n\rDecodeService\x12;\n\x06\x44\x65\x63ode\x12\x18.pdxfer.v1.DecodeRequest\x1a\x15.pdxfer.v1.TokenEvent0\x01\x12U\n\x0fRegisterPrefill\x12!.pdxfer.v1.RegisterPrefillRequest\x1a\x1f.pdxfer.v1.RegisterPrefillReply2P\n\rRouterService\x12?\n\x08Generate\x12\x1a.pdxfer.v1.GenerateRequest\x1a\x15.pdxfer.v1.TokenEvent0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16pdxfer/v1/worker.proto\x12\tpdxfer.v1\x1a\x18pdxfer/v1/transfer.proto\"f\n\nDecodeCall\x12\x11\n\tstream_id\x18\x01 \x01(\x04\x12)\n\x05start\x18\x02 \x01(\x0b\x32\x18.pdxfer.v1.DecodeRequestH\x00\x12\x10\n\x06\x63\x61ncel\x18\x03 \x01(\x08H\x00\x42\x08\n\x06\x61\x63tion\"u\n\x0b\x44\x65\x63odeEvent\x12\x11\n\tstream_id\x18\x01 \x01(\x04\x12&\n\x05token\x18\x02 \x01(\x0b\x32\x15.pdxfer.v1.TokenEventH\x00\x12#\n\x03\x65nd\x18\x03 \x01(\x0b\x32\x14.pdxfer.v1.DecodeEndH\x00\x42\x06\n\x04kind\"*\n\tDecodeEnd\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07\x64\x65tails\x18\x02 \x01(\t\"6\n\x0c\x44\x65\x63odeEvents\x12&\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x16.pdxfer.v1.DecodeEvent\"+\n\x16RegisterPrefillRequest\x12\x11\n\taddresses\x18\x01 \x03(\t\"\x16\n\x14RegisterPrefillReply\"J\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_p\x18\x02 \x01(\x01\x12\x11\n\x04seed\x18\x03 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"s\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12\x12\n\nmax_tokens\x18\x03 \x01(\x05\x12%\n\x08sampling\x18\x04 \x01(\x0b\x32\x13.pdxfer.v1.Sampling\"m\n\rDecodeRequest\x12!\n\x06ticket\x18\x01 \x01(\x0b\x32\x11.pdxfer.v1.Ticket\x12\x12\n\nmax_tokens\x18\x02 \x01(\x05\x12%\n\x08sampling\x18\x03 \x01(\x0b\x32\x13.pdxfer.v1.Sampling\"t\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12\x12\n\nmax_tokens\x18\x03 \x01(\x05\x12%\n\x08sampling\x18\x04 \x01(\x0b\x32\x13.pdxfer.v1.Sampling\"\x9c\x02\n\nTokenEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\x05\x12\r\n\x05index\x18\x03 \x01(\x05\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x0f\n\x07ttft_ms\x18\x05 \x01(\x01\x12\x13\n\x0btransfer_ms\x18\x06 \x01(\x01\x12\x10\n\x08kv_bytes\x18\x07 \x01(\x03\x12\x13\n\x0bstate_bytes\x18\x08 \x01(\x03\x12\x13\n\x0b\x64\x65scriptors\x18\t \x01(\x03\x12\x0f\n\x07logprob\x18\n \x01(\x01\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x0b \x01(\x03\x12\x1c\n\x14reused_decode_tokens\x18\x0c \x01(\x03\x12\x1b\n\x13\x65xposed_transfer_ms\x18\r \x01(\x01\x32I\n\x0ePrefillService\x12\x37\n\x07Prefill\x12\x19.pdxfer.v1.PrefillRequest\x1a\x11.pdxfer.v1.Ticket2\xe5\x01\n\rDecodeService\x12;\n\x06\x44\x65\x63ode\x12\x18.pdxfer.v1.DecodeRequest\x1a\x15.pdxfer.v1.TokenEvent0\x01\x12@\n\nDecodeMany\x12\x15.pdxfer.v1.DecodeCall\x1a\x17.pdxfer.v1.DecodeEvents(\x01\x30\x01\x12U\n\x0fRegisterPrefill\x12!.pdxfer.v1.RegisterPrefillRequest\x1a\x1f.pdxfer.v1.RegisterPrefillReply2P\n\rRouterService\x12?\n\x08Generate\x12\x1a.pdxfer.v1.GenerateRequest\x1a\x15.pdxfer.v1.TokenEvent0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'transfer.control.gen.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_REGISTERPREFILLREQUEST']._serialized_start=63
-  _globals['_REGISTERPREFILLREQUEST']._serialized_end=106
-  _globals['_REGISTERPREFILLREPLY']._serialized_start=108
-  _globals['_REGISTERPREFILLREPLY']._serialized_end=130
-  _globals['_SAMPLING']._serialized_start=132
-  _globals['_SAMPLING']._serialized_end=206
-  _globals['_PREFILLREQUEST']._serialized_start=208
-  _globals['_PREFILLREQUEST']._serialized_end=323
-  _globals['_DECODEREQUEST']._serialized_start=325
-  _globals['_DECODEREQUEST']._serialized_end=434
-  _globals['_GENERATEREQUEST']._serialized_start=436
-  _globals['_GENERATEREQUEST']._serialized_end=552
-  _globals['_TOKENEVENT']._serialized_start=555
-  _globals['_TOKENEVENT']._serialized_end=839
-  _globals['_PREFILLSERVICE']._serialized_start=841
-  _globals['_PREFILLSERVICE']._serialized_end=914
-  _globals['_DECODESERVICE']._serialized_start=917
-  _globals['_DECODESERVICE']._serialized_end=1080
-  _globals['_ROUTERSERVICE']._serialized_start=1082
-  _globals['_ROUTERSERVICE']._serialized_end=1162
+  _globals['_DECODECALL']._serialized_start=63
+  _globals['_DECODECALL']._serialized_end=165
+  _globals['_DECODEEVENT']._serialized_start=167
+  _globals['_DECODEEVENT']._serialized_end=284
+  _globals['_DECODEEND']._serialized_start=286
+  _globals['_DECODEEND']._serialized_end=328
+  _globals['_DECODEEVENTS']._serialized_start=330
+  _globals['_DECODEEVENTS']._serialized_end=384
+  _globals['_REGISTERPREFILLREQUEST']._serialized_start=386
+  _globals['_REGISTERPREFILLREQUEST']._serialized_end=429
+  _globals['_REGISTERPREFILLREPLY']._serialized_start=431
+  _globals['_REGISTERPREFILLREPLY']._serialized_end=453
+  _globals['_SAMPLING']._serialized_start=455
+  _globals['_SAMPLING']._serialized_end=529
+  _globals['_PREFILLREQUEST']._serialized_start=531
+  _globals['_PREFILLREQUEST']._serialized_end=646
+  _globals['_DECODEREQUEST']._serialized_start=648
+  _globals['_DECODEREQUEST']._serialized_end=757
+  _globals['_GENERATEREQUEST']._serialized_start=759
+  _globals['_GENERATEREQUEST']._serialized_end=875
+  _globals['_TOKENEVENT']._serialized_start=878
+  _globals['_TOKENEVENT']._serialized_end=1162
+  _globals['_PREFILLSERVICE']._serialized_start=1164
+  _globals['_PREFILLSERVICE']._serialized_end=1237
+  _globals['_DECODESERVICE']._serialized_start=1240
+  _globals['_DECODESERVICE']._serialized_end=1469
+  _globals['_ROUTERSERVICE']._serialized_start=1471
+  _globals['_ROUTERSERVICE']._serialized_end=1551
 # @@protoc_insertion_point(module_scope)

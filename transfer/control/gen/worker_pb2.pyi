@@ -7,6 +7,40 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class DecodeCall(_message.Message):
+    __slots__ = ("stream_id", "start", "cancel")
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    stream_id: int
+    start: DecodeRequest
+    cancel: bool
+    def __init__(self, stream_id: _Optional[int] = ..., start: _Optional[_Union[DecodeRequest, _Mapping]] = ..., cancel: _Optional[bool] = ...) -> None: ...
+
+class DecodeEvent(_message.Message):
+    __slots__ = ("stream_id", "token", "end")
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    stream_id: int
+    token: TokenEvent
+    end: DecodeEnd
+    def __init__(self, stream_id: _Optional[int] = ..., token: _Optional[_Union[TokenEvent, _Mapping]] = ..., end: _Optional[_Union[DecodeEnd, _Mapping]] = ...) -> None: ...
+
+class DecodeEnd(_message.Message):
+    __slots__ = ("code", "details")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    code: str
+    details: str
+    def __init__(self, code: _Optional[str] = ..., details: _Optional[str] = ...) -> None: ...
+
+class DecodeEvents(_message.Message):
+    __slots__ = ("events",)
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[DecodeEvent]
+    def __init__(self, events: _Optional[_Iterable[_Union[DecodeEvent, _Mapping]]] = ...) -> None: ...
+
 class RegisterPrefillRequest(_message.Message):
     __slots__ = ("addresses",)
     ADDRESSES_FIELD_NUMBER: _ClassVar[int]

@@ -113,6 +113,11 @@ class DecodeServiceStub:
                 request_serializer=pdxfer_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=pdxfer_dot_v1_dot_worker__pb2.TokenEvent.FromString,
                 _registered_method=True)
+        self.DecodeMany = channel.stream_stream(
+                '/pdxfer.v1.DecodeService/DecodeMany',
+                request_serializer=pdxfer_dot_v1_dot_worker__pb2.DecodeCall.SerializeToString,
+                response_deserializer=pdxfer_dot_v1_dot_worker__pb2.DecodeEvents.FromString,
+                _registered_method=True)
         self.RegisterPrefill = channel.unary_unary(
                 '/pdxfer.v1.DecodeService/RegisterPrefill',
                 request_serializer=pdxfer_dot_v1_dot_worker__pb2.RegisterPrefillRequest.SerializeToString,
@@ -126,6 +131,15 @@ class DecodeServiceServicer:
     def Decode(self, request, context):
         """Pulls the ticket's cache from its prefill instance and streams tokens,
         starting with the ticket's first token.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DecodeMany(self, request_iterator, context):
+        """Many decodes over one call, as Decode each: the caller starts each one (and cancels
+        one it no longer wants) when it comes, and every message back carries all the events
+        that were ready, so a step of N running requests is one message instead of N.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -146,6 +160,11 @@ def add_DecodeServiceServicer_to_server(servicer, server):
                     servicer.Decode,
                     request_deserializer=pdxfer_dot_v1_dot_worker__pb2.DecodeRequest.FromString,
                     response_serializer=pdxfer_dot_v1_dot_worker__pb2.TokenEvent.SerializeToString,
+            ),
+            'DecodeMany': grpc.stream_stream_rpc_method_handler(
+                    servicer.DecodeMany,
+                    request_deserializer=pdxfer_dot_v1_dot_worker__pb2.DecodeCall.FromString,
+                    response_serializer=pdxfer_dot_v1_dot_worker__pb2.DecodeEvents.SerializeToString,
             ),
             'RegisterPrefill': grpc.unary_unary_rpc_method_handler(
                     servicer.RegisterPrefill,
@@ -180,6 +199,33 @@ class DecodeService:
             '/pdxfer.v1.DecodeService/Decode',
             pdxfer_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
             pdxfer_dot_v1_dot_worker__pb2.TokenEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DecodeMany(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pdxfer.v1.DecodeService/DecodeMany',
+            pdxfer_dot_v1_dot_worker__pb2.DecodeCall.SerializeToString,
+            pdxfer_dot_v1_dot_worker__pb2.DecodeEvents.FromString,
             options,
             channel_credentials,
             insecure,
