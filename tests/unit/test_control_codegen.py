@@ -13,7 +13,16 @@ import pytest
 from transfer.control import codegen
 
 CONTROL = Path(codegen.__file__).parent
-GEN_ALLOWED = {"convert.py", "service.py", "server.py", "client.py"}
+# the gRPC edge: servicers, clients and conversions (decode_many and decode_mux are the
+# servicer and client halves of DecodeMany)
+GEN_ALLOWED = {
+    "convert.py",
+    "service.py",
+    "server.py",
+    "client.py",
+    "decode_many.py",
+    "decode_mux.py",
+}
 FORBIDDEN = (
     "transfer.dataplane",
     "transfer.packer",
