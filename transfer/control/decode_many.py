@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Iterator
 import grpc
 
 from transfer.control import convert
-from transfer.control.errors import ControlError, status_code_name
+from transfer.control.errors import status_of
 from transfer.control.gen import worker_pb2
 from transfer.control.types import DecodeRequest, TokenEvent
 
@@ -142,9 +142,7 @@ class DecodeManyCall:
 
 
 def _end_of(exc: Exception) -> worker_pb2.DecodeEnd:
-    code = status_code_name(exc)
+    code, details = status_of(exc)
     if code == "INTERNAL":
         logger.exception("DecodeMany: a decode failed")
-    # A ControlError passed on from another server already carries its code: keep only details.
-    details = exc.details if isinstance(exc, ControlError) else str(exc)
-    return worker_pb2.DecodeEnd(code=code, details=details or type(exc).__name__)
+    return worker_pb2.DecodeEnd(code=code, details=details)

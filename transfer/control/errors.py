@@ -82,6 +82,13 @@ def status_code_name(exc: BaseException) -> str:
     return "INTERNAL"
 
 
+def status_of(exc: BaseException) -> tuple[str, str]:
+    """(status code name, details) a servicer answers for `exc`. A ControlError passed on
+    from another server already carries its code: only its details are kept."""
+    details = exc.details if isinstance(exc, ControlError) else str(exc)
+    return status_code_name(exc), details or type(exc).__name__
+
+
 def control_error_of(err: grpc.RpcError) -> ControlError:
     """The ControlError a client raises for a failed call."""
     # A grpc.RpcError raised by a call is also a grpc.Call, which carries the status.

@@ -16,7 +16,7 @@ import grpc
 
 from transfer.control import convert
 from transfer.control.decode_many import DecodeManyCall
-from transfer.control.errors import CompatMismatch, ControlError, status_code_name
+from transfer.control.errors import CompatMismatch, status_of
 from transfer.control.gen import transfer_pb2, transfer_pb2_grpc, worker_pb2, worker_pb2_grpc
 from transfer.control.tickets import TicketStore
 from transfer.control.types import (
@@ -195,9 +195,7 @@ def stream(context: grpc.ServicerContext, fn: Callable, request) -> Iterator[wor
 
 
 def _abort(context: grpc.ServicerContext, exc: Exception) -> None:
-    code = status_code_name(exc)
+    code, details = status_of(exc)
     if code == "INTERNAL":
         logger.exception("control-plane call failed")
-    # A ControlError passed on from another server already carries its code: keep only details.
-    message = exc.details if isinstance(exc, ControlError) else str(exc)
-    context.abort(getattr(grpc.StatusCode, code), message or type(exc).__name__)
+    context.abort(getattr(grpc.StatusCode, code), details)

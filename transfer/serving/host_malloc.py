@@ -2,7 +2,7 @@
 
 glibc serves any allocation over its mmap threshold (128 KiB, raised only by frees of
 such blocks) with a fresh mmap and unmaps it on free, so every step of a CPU rank that
-builds large activations page-faults and zeroes them again: 11-83 thousand minor faults
+builds large activations page-faults and zeroes them again: 8-83 thousand minor faults
 per prefill step of 8 to 32 prompts of the tiny Qwen3-Next (docs/benchmarks.md,
 "Heap-kept activations on CPU ranks"). Raising both thresholds once makes those tensors
 reuse heap memory, as a caching allocator would on a GPU.
