@@ -8,6 +8,9 @@ import tempfile
 # Snapshot the UCX_* variables before any test imports ucxx (see tests/support/ucx_env.py).
 import tests.support.ucx_env  # noqa: F401
 
+# Before any test module imports grpc: `transfer` turns gRPC fork support off.
+import transfer  # noqa: F401
+
 # Tiny presets write their checkpoints once per cache directory: give the session its own
 # (worker processes inherit it), so no test reads or leaves files in the home directory.
 if "PDXFER_CACHE" not in os.environ:
