@@ -43,12 +43,42 @@ def test_reports_every_concurrency_with_the_documented_keys(tmp_path):
 
 
 @pytest.mark.parametrize("flag, value", [("--concurrency", "1,x"), ("--concurrency", "0"),
-                                         ("--requests", "0"), ("--stream-layers", "0"),
+                                         ("--requests", "0"), ("--rounds", "0"),
+                                         ("--stream-layers", "0"),
                                          ("--transfer-mode", "push")])  # fmt: skip
 def test_bad_flags_are_named(flag, value):
     result = bench(flag, value)
     assert result.returncode == 2
     assert flag in result.stderr
+
+
+@pytest.mark.slow
+def test_rounds_interleave_the_levels_with_fresh_prompts():
+    result = bench(
+        "--concurrency", "1,2", "--requests", "4", "--prompt-len", "16", "--max-tokens", "4",
+        "--rounds", "2", "--json",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    assert report["rounds"] == 2
+    assert [r["concurrency"] for r in report["results"]] == [1, 2]
+    for r in report["results"]:
+        assert (r["requests"], r["failed"], r["output_tokens"]) == (8, 0, 8 * 4)
+        rates = [x["output_tokens_per_s"] for x in r["rounds"]]
+        assert len(rates) == 2 and r["output_tokens_per_s"] == pytest.approx(
+            sum(rates) / 2, abs=1e-3
+        )
+        digests = [x["output_digest"] for x in r["rounds"]]
+        assert digests[0] != digests[1]  # each round drew its own prompts
+    (ratios,) = report["throughput_ratios"].values()
+    first, second = ([x["output_tokens_per_s"] for x in r["rounds"]] for r in report["results"])
+    assert ratios == pytest.approx([b / a for a, b in zip(first, second, strict=True)], abs=1e-3)
+    # round by round, in the order: 1, 2, 1, 2
+    rounds = [line for line in result.stderr.splitlines() if "(round " in line]
+    assert [line.split(":")[1].strip()[:22] for line in rounds] == [
+        "concurrency 1 (round 1", "concurrency 2 (round 1", "concurrency 1 (round 2",
+        "concurrency 2 (round 2",
+    ]  # fmt: skip
 
 
 @pytest.mark.slow

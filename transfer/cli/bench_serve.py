@@ -7,6 +7,7 @@ import argparse
 import json
 import random
 import shutil
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -37,6 +38,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--requests", type=int, default=64, help="requests per concurrency (default 64)"
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run the concurrency levels this many times in turn, each round with fresh "
+        "prompts; each level reports the median over its rounds, and the ratios to the first "
+        "level are taken within each round (default 1)",
     )
     parser.add_argument(
         "--prompt-len",
@@ -112,12 +121,13 @@ def _concurrencies(text: str) -> list[int]:
 def run(args: argparse.Namespace) -> int:
     from transfer.bench.decode_steps import read_step_totals
     from transfer.bench.serve_load import run_load
+    from transfer.bench.serve_rounds import combine_rounds, throughput_ratios
     from transfer.presets import load_geometry
     from transfer.serving.local import LocalPair, LocalPairConfig
 
     levels = _concurrencies(args.concurrency)
-    for name in ("requests", "prompt_len", "max_tokens", "max_num_batched_tokens", "turns",
-                 "turn_len", "stream_layers"):  # fmt: skip
+    for name in ("requests", "rounds", "prompt_len", "max_tokens", "max_num_batched_tokens",
+                 "turns", "turn_len", "stream_layers"):  # fmt: skip
         if getattr(args, name) < 1:
             raise InvalidInput(
                 f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}"
@@ -125,7 +135,6 @@ def run(args: argparse.Namespace) -> int:
     if args.workload == "multiturn" and not 0 <= args.system_len <= args.prompt_len:
         raise InvalidInput(f"--system-len must be in [0, --prompt-len], got {args.system_len}")
     geometry = load_geometry(args.model)
-    conversations = _conversations(args, geometry.vocab_size)
     max_seqs = args.max_num_seqs or max(levels)
     run_dir = Path(tempfile.mkdtemp(prefix="pdxfer-bench-serve-"))
     config = LocalPairConfig(
@@ -136,24 +145,31 @@ def run(args: argparse.Namespace) -> int:
         transfer_mode=args.transfer_mode, stream_layers=args.stream_layers, metrics=True,
     )  # fmt: skip
     pair = LocalPair(config, run_dir)
-    results = []
+    rounds: list[list[dict]] = []  # rounds[i][j]: round i at levels[j]
+    results: list[dict] = []
     try:
         print(f"bench serve: starting {args.model} P={args.prefill_tp} D={args.decode_tp} "
               f"max_num_seqs={max_seqs}; logs in {run_dir}", file=sys.stderr)  # fmt: skip
         pair.start_workers()
         address = pair.start_router()
         decode_metrics = pair.procs[1].metrics_port
-        for level in levels:
-            before = read_step_totals(decode_metrics)
-            result = run_load(
-                address, pair.token, conversations, args.max_tokens, level, args.timeout
-            )
-            steps = read_step_totals(decode_metrics).since(before)
-            print(f"bench serve: concurrency {level}: {result.output_tokens_per_s:.1f} tok/s, "
-                  f"ttft p50 {result.ttft_ms['p50']:.0f} ms, itl p50 {result.itl_ms['p50']:.1f} ms, "
-                  f"decode batch mean {steps['decode_batch_mean']:.1f}, "
-                  f"{result.failed} failed", file=sys.stderr)  # fmt: skip
-            results.append(result.to_dict() | steps)
+        for round_index in range(args.rounds):
+            conversations = _conversations(args, geometry.vocab_size, round_index)
+            rounds.append([])
+            for level in levels:
+                before = read_step_totals(decode_metrics)
+                result = run_load(
+                    address, pair.token, conversations, args.max_tokens, level, args.timeout
+                )
+                steps = read_step_totals(decode_metrics).since(before)
+                label = f" (round {round_index + 1}/{args.rounds})" if args.rounds > 1 else ""
+                print(f"bench serve: concurrency {level}{label}: "
+                      f"{result.output_tokens_per_s:.1f} tok/s, "
+                      f"ttft p50 {result.ttft_ms['p50']:.0f} ms, itl p50 {result.itl_ms['p50']:.1f} ms, "
+                      f"decode batch mean {steps['decode_batch_mean']:.1f}, "
+                      f"{result.failed} failed", file=sys.stderr)  # fmt: skip
+                rounds[-1].append(result.to_dict() | steps)
+        results = [combine_rounds([r[j] for r in rounds]) for j in range(len(levels))]
     finally:
         pair.close()
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -168,7 +184,9 @@ def run(args: argparse.Namespace) -> int:
         "workload": args.workload,
         "prefix_cache": args.prefix_cache,
         "transfer_mode": args.transfer_mode,
+        "rounds": args.rounds,
         "results": results,
+        "throughput_ratios": throughput_ratios(rounds),
     }
     if args.plot:
         _plot(results, args.plot, f"{args.model} P={args.prefill_tp} D={args.decode_tp}")
@@ -181,12 +199,21 @@ def run(args: argparse.Namespace) -> int:
             print(f"{r['concurrency']:>5} {r['output_tokens_per_s']:>9.1f} {r['ttft_ms']['p50']:>9.1f} "
                   f"{r['ttft_ms']['p99']:>9.1f} {r['itl_ms']['p50']:>8.1f} {r['e2e_ms']['p50']:>8.1f} "
                   f"{r['transfer_ms']['p50']:>8.2f} {r['decode_batch_mean']:>6.1f} {r['failed']:>6}")  # fmt: skip
+        if args.rounds > 1:
+            print(f"(medians over {args.rounds} rounds)")
+        for level, ratios in report["throughput_ratios"].items():
+            print(f"tok/s at C={level} over C={levels[0]}: median {statistics.median(ratios):.2f}x"
+                  f" (rounds: {', '.join(f'{x:.2f}x' for x in ratios)})")  # fmt: skip
     return 0 if all(r["failed"] == 0 for r in results) else 1
 
 
-def _conversations(args: argparse.Namespace, vocab: int) -> list[list[list[int]]]:
-    """Each conversation's first prompt, then each later turn's new tokens."""
-    rng = random.Random(f"pdxfer-bench-serve:{args.seed}")
+def _conversations(
+    args: argparse.Namespace, vocab: int, round_index: int = 0
+) -> list[list[list[int]]]:
+    """Each conversation's first prompt, then each later turn's new tokens; every round
+    draws its own (round 0 those of a run without rounds)."""
+    suffix = f":round{round_index}" if round_index else ""
+    rng = random.Random(f"pdxfer-bench-serve:{args.seed}{suffix}")
 
     def tokens(n: int) -> list[int]:
         return [rng.randrange(vocab) for _ in range(n)]
