@@ -321,7 +321,7 @@ def test_a_failed_read_that_may_still_land_holds_the_cache_until_settled(cluster
     """Bug 6 from the transport's side: NIXL cannot cancel a READ in flight, so when one
     fails at its deadline while the stopped peer may still answer, the decode blocks and
     slot stay out of the pools until the READ settles, then return."""
-    _, decode, _ = cluster
+    prefill, decode, _ = cluster
     stalled = spare
     rank = stalled.instance.ranks.procs[0].pid
     ticket = stalled.worker.prefill(PrefillRequest("unsettled", tuple(prompt(7)), MAX_TOKENS))
@@ -335,6 +335,15 @@ def test_a_failed_read_that_may_still_land_holds_the_cache_until_settled(cluster
         assert decode.worker.held_requests() == ["unsettled"]
         pools = decode.instance.pools
         assert pools.slots.num_free == pools.slots.num_total - 1
+        # The router runs a failed request again under its id: while the held cache is
+        # the last attempt's, the retry fails as a transfer (ABORTED), not as bad input,
+        # and touches none of it.
+        again = prefill.worker.prefill(PrefillRequest("unsettled", tuple(prompt(7)), MAX_TOKENS))
+        with pytest.raises(TransferFailed, match="held until it settles"):
+            list(decode.worker.decode(DecodeRequest(again, MAX_TOKENS)))
+        assert decode.worker.held_requests() == ["unsettled"]
+        assert pools.slots.num_free == pools.slots.num_total - 1
+        assert prefill.worker.store.get("unsettled") is None  # the retry's ticket aborted
     finally:
         decode.worker.transfer_deadline_s = 60.0
         os.kill(rank, signal.SIGCONT)
@@ -342,7 +351,37 @@ def test_a_failed_read_that_may_still_land_holds_the_cache_until_settled(cluster
     while decode.worker.held_requests():
         assert time.monotonic() < deadline, "the held cache was never freed"
         time.sleep(0.1)
-    assert_idle(stalled, decode)
+    assert_idle(prefill, stalled, decode)
+
+
+def test_a_retry_under_the_same_id_waits_for_the_last_attempts_free(cluster):
+    """The prefill worker frees an aborted ticket's cache off the caller's thread. A retry
+    under the same request id (as the router sends after a failed decode) waits for that
+    free instead of failing on the blocks and slot still allocated under its id."""
+    prefill, _, _ = cluster
+    ids = tuple(prompt(11))
+    first = prefill.worker.prefill(PrefillRequest("again", ids, MAX_TOKENS))
+    gate, queued = threading.Event(), threading.Event()
+    prefill.worker._frees.put(lambda: (queued.set(), gate.wait(30)))  # frees wait behind it
+    assert queued.wait(10)
+    prefill.worker.store.abort("again", "test")
+    outcome: list = []
+    retry = threading.Thread(
+        target=lambda: outcome.append(
+            prefill.worker.prefill(PrefillRequest("again", ids, MAX_TOKENS))
+        )
+    )
+    try:
+        retry.start()
+        retry.join(0.5)
+        assert retry.is_alive() and not outcome  # waiting for the free, not failed
+    finally:
+        gate.set()
+    retry.join(30)
+    (second,) = outcome
+    assert second.first_token == first.first_token and second.num_tokens == first.num_tokens
+    prefill.worker.store.abort("again", "test")
+    assert_idle(prefill)
 
 
 def test_bug14_a_late_read_after_lease_expiry_never_lands_in_a_reused_cache(cluster, spare):

@@ -30,3 +30,18 @@ def test_jobs_run_in_order_off_the_callers_thread_and_survive_a_failure():
     frees.put(job(5))
     frees.close()  # runs what was put first
     assert ran[-1] == 5
+
+
+def test_a_key_stays_busy_until_its_jobs_have_run():
+    frees = FreeQueue("test-frees-keys")
+    gate = threading.Event()
+    frees.put(lambda: gate.wait(10), key="a")
+    frees.put(lambda: None, key="b")  # behind a's job
+    frees.put(lambda: None, key="a")
+    assert not frees.wait_for("a", 0.05) and not frees.wait_for("b", 0.05)
+    assert frees.wait_for("never-put", 0)
+    gate.set()
+    assert frees.wait_for("a", 10) and frees.wait_for("b", 10)
+    frees.put(lambda: 1 / 0, key="c")  # a failed job frees its key too
+    assert frees.wait_for("c", 10)
+    frees.close()

@@ -202,6 +202,13 @@ class DecodeWorker:
         total = ticket.num_tokens + request.max_tokens - 1  # the last token is never fed back
         prefix, held = self.instance.prefix, ()
         try:
+            with self._quarantine_lock:
+                if rid in self._quarantine:  # a retry under its id, while the last one's holds
+                    raise TransferFailed(
+                        f"request_id {rid!r}: an earlier transfer under this id may still "
+                        "move bytes, and its cache is held until it settles",
+                        settled=True,  # this attempt posted nothing
+                    )
             if prefix is not None and ticket.block_hashes:
                 # the state always crosses whole, so every full prompt block counts
                 held = prefix.match(ticket.block_hashes, ticket.num_tokens, rid, False).block_ids

@@ -29,7 +29,7 @@ from transfer.control.types import (
     Ticket,
     compat_hash,
 )
-from transfer.errors import CapacityError, InvalidInput, PdxferError
+from transfer.errors import CapacityError, DeadlineExceeded, InvalidInput, PdxferError
 from transfer.serving.checkpoints import checkpoint_positions, checkpoint_stops
 from transfer.serving.commands import Release, Snapshot, StageGather, TokenPick
 from transfer.serving.frees import FreeQueue
@@ -43,6 +43,7 @@ logger = logging.getLogger(__name__)
 
 NO_HIT = PrefixHit((), None, 0)
 JOB_WAIT_LOG_S = 30.0  # a freed stream whose prefill has not stopped yet is logged this often
+FREE_WAIT_S = 30.0  # how long a request waits for the free of an earlier one of its id
 
 
 @dataclass(eq=False)
@@ -125,6 +126,12 @@ class PrefillWorker:
             raise InvalidInput(f"prompt_ids: token ids must be < vocab size {vocab}, got {bad[:5]}")
         num_tokens = len(request.prompt_ids)
         rid, prompt = request.request_id, tuple(request.prompt_ids)
+        # A retry under the same id (the router's, after a failed decode) finds the last
+        # attempt's cache still allocated under it until that free has run.
+        if not self._frees.wait_for(rid, FREE_WAIT_S):
+            raise DeadlineExceeded(
+                f"request_id {rid!r}: its last attempt's cache was not freed within {FREE_WAIT_S:g} s"
+            )
         prefix, hit = self.instance.prefix, NO_HIT
         hashes = block_hashes(prompt, self.instance.block_size)  # for decode's cache too
         if prefix is not None:
@@ -269,7 +276,7 @@ class PrefillWorker:
             job.cancelled.set()
         # The ticket is gone, so no caller can read its cache any more; the blocks and slot
         # go back once the ranks have released the slot, off the caller's thread.
-        self._frees.put(lambda: self._free_published(ticket, job))
+        self._frees.put(lambda: self._free_published(ticket, job), key=ticket.request_id)
 
     def _free_published(self, ticket: Ticket, job: _Allocated | None) -> None:
         if job is not None:
