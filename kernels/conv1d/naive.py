@@ -1,11 +1,14 @@
-"""Reference depthwise causal conv1d in fp32 torch, written for clarity."""
+"""Reference depthwise causal conv1d in fp32 torch: the CPU path, and the Triton kernels' reference."""
 
 from __future__ import annotations
 
-from itertools import pairwise
-
 import torch
 import torch.nn.functional as F
+
+# Rows of the padded output buffer start on this many elements: each row of a strided
+# view then runs the same vector loop, so no output's bits depend on the other sequences
+# (a contiguous tensor's loop ends in a scalar tail that rounds SiLU differently).
+ROW_ALIGN = 64
 
 
 def causal_conv1d_naive(
@@ -17,33 +20,46 @@ def causal_conv1d_naive(
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """x [B,T,D], weight [D,W] -> y [B,T,D], final state [N,D,W-1] (the last W-1 inputs)."""
+    """x [B,T,D], weight [D,W] -> y [B,T,D], final state [N,D,W-1] (the last W-1 inputs).
+
+    Every sequence goes time-major into one buffer behind its W-1 entering inputs, the
+    sequences back to back; y is then W shifted multiply-adds over the whole buffer, read
+    at the rows of real tokens."""
+    batch, seq_len, dim = x.shape
+    history = weight.shape[1] - 1
     if cu_seqlens is None:
-        spans = [(b, 0, x.shape[1]) for b in range(x.shape[0])]
+        lengths = torch.full((batch,), seq_len, dtype=torch.long, device=x.device)
     else:
-        bounds = cu_seqlens.tolist()
-        spans = [(0, bos, eos) for bos, eos in pairwise(bounds)]
-    width = weight.shape[1]
-    y = torch.empty_like(x)
-    final_states = []
-    for n, (b, bos, eos) in enumerate(spans):
-        seq = x[b, bos:eos].float().t()  # [D, L]
-        if initial_state is None:
-            history = seq.new_zeros(seq.shape[0], width - 1)
-        else:
-            history = initial_state[n].float()
-        padded = torch.cat([history, seq], dim=1)  # [D, W-1+L]
-        length = eos - bos
-        out = sum(weight[:, w, None].float() * padded[:, w : w + length] for w in range(width))
-        if bias is not None:
-            out = out + bias.float()[:, None]
-        if activation == "silu":
-            out = F.silu(out)
-        y[b, bos:eos] = out.t().to(x.dtype)
-        final_states.append(padded[:, padded.shape[1] - (width - 1) :])
+        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    num_seqs, num_tokens = len(lengths), batch * seq_len
+    # sequence n's entering inputs sit at rows ends[n] - L_n - W+1 .. ends[n] - L_n
+    ends = (lengths + history).cumsum(0)
+    sequence = torch.repeat_interleave(torch.arange(num_seqs, device=x.device), lengths)
+    token_rows = torch.arange(num_tokens, device=x.device) + (sequence + 1) * history
+    history_rows = (ends - lengths)[:, None] - history + torch.arange(history, device=x.device)
+    padded = x.new_empty(num_tokens + num_seqs * history, dim, dtype=torch.float32)
+    padded.index_copy_(0, token_rows, x.reshape(num_tokens, dim).float())
+    if initial_state is None:
+        entering = padded.new_zeros(num_seqs * history, dim)
+    else:
+        entering = initial_state.float().transpose(1, 2).reshape(-1, dim)
+    padded.index_copy_(0, history_rows.flatten(), entering)
+    rows = padded.shape[0] - history
+    out = padded.new_empty(rows, -(-dim // ROW_ALIGN) * ROW_ALIGN)[:, :dim]
+    taps = weight.float().t().contiguous()  # [W, D]: each tap's weights contiguous
+    torch.mul(taps[0], padded[:rows], out=out)
+    for tap in range(1, history + 1):
+        out.add_(taps[tap] * padded[tap : tap + rows])
+    if bias is not None:
+        out.add_(bias.float())
+    if activation == "silu":
+        F.silu(out, inplace=True)
+    y = out.index_select(0, token_rows - history).to(x.dtype).view(batch, seq_len, dim)
     if not output_final_state:
         return y, None
-    return y, torch.stack(final_states).to(x.dtype)
+    last = ends[:, None] - history + torch.arange(history, device=x.device)
+    final = padded.index_select(0, last.flatten()).view(num_seqs, history, dim)
+    return y, final.transpose(1, 2).to(x.dtype)
 
 
 def causal_conv1d_update_naive(

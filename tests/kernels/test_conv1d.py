@@ -65,6 +65,24 @@ def test_varlen_matches_separate_sequences(backend, rel_err, dtype):
             assert torch.equal(final[n], final_n[0]), name
 
 
+@pytest.mark.parametrize("split", [1, 7, 30])
+def test_naive_prefill_in_two_calls_equals_one_bit_for_bit(backend, split):
+    """A chunked prefill or a prefix-cache hit computes a sequence's tail in a later call,
+    among other sequences: its outputs must not change in the last bit (D=80 leaves a
+    partial vector at the end of every row)."""
+    backend("torch")
+    x, weight, bias, state = _inputs(1, 41, torch.float32)
+    y_full, final_full = causal_conv1d(x, weight, bias, "silu", state, True)
+    y_head, final = causal_conv1d(x[:, :split], weight, bias, "silu", state, True)
+    other = torch.randn(1, 9, D)  # another sequence packed before the tail
+    cu_seqlens = torch.tensor([0, 9, 9 + 41 - split])
+    packed = torch.cat([other, x[:, split:]], dim=1)
+    states = torch.cat([torch.randn(1, D, W - 1), final])
+    y_tail, finals = causal_conv1d(packed, weight, bias, "silu", states, True, cu_seqlens)
+    assert torch.equal(torch.cat([y_head, y_tail[:, 9:]], dim=1), y_full)
+    assert torch.equal(finals[1], final_full[0])
+
+
 @pytest.mark.kernels
 @pytest.mark.parametrize("name", ["torch", "triton"])
 def test_short_sequence_final_state_keeps_initial_tail(backend, name):
