@@ -23,6 +23,7 @@ def _benchmarks() -> list:
     from transfer.bench import control as control_bench
     from transfer.bench import transport as transport_bench
     from transfer.cli import bench_serve as serve_bench
+    from transfer.cli import bench_step as step_bench
     from transfer.cli import bench_transfer as transfer_bench
 
     return [
@@ -31,4 +32,5 @@ def _benchmarks() -> list:
         transport_bench.register,
         transfer_bench.register,
         serve_bench.register,
+        step_bench.register,
     ]

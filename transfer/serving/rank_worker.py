@@ -44,7 +44,7 @@ from transfer.serving.commands import (
     TransferState,
     TransferStatus,
 )
-from transfer.serving.host_malloc import keep_freed_memory
+from transfer.serving.cpu_rank import configure_cpu_rank
 from transfer.serving.progress import entry_offset, progress_area_bytes
 from transfer.serving.spec import (
     WARMUP_BYTES,
@@ -108,15 +108,7 @@ class RankWorker:
             device = torch.device("cuda", spec.local_rank)
         else:
             device = torch.device("cpu")
-            if "OMP_NUM_THREADS" not in os.environ:
-                # One thread per rank: ranks of both instances share the cores.
-                torch.set_num_threads(1)
-            # Decays drive recurrent states and exp(G) terms into subnormal floats, which
-            # x86 computes in microcode: flushing them to zero took 16-33 % off a prefill
-            # step's CPU time (docs/benchmarks.md, "Serving") and changes only values
-            # below 1.2e-38, the smallest normal float.
-            torch.set_flush_denormal(True)
-            keep_freed_memory()
+            configure_cpu_rank()
         self.layout = layout_for(spec)
         self.arena = Arena.allocate(self.layout, device)
         self.arena.buffer.zero_()
