@@ -1,4 +1,4 @@
-"""Reference depthwise causal conv1d in fp32 torch: the CPU path, and the Triton kernels' reference."""
+"""Depthwise causal conv1d in fp32 torch: the CPU path and the Triton kernels' reference."""
 
 from __future__ import annotations
 
