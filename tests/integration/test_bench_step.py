@@ -17,7 +17,7 @@ def bench(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_times_a_prefill_then_decodes_of_it_per_batch_size():
-    # Three prefills in a row on the same slots, then decodes past the prompt: any slot or
+    # Four prefills in a row on the same slots, then decodes past the prompt: any slot or
     # block left live, or a wrong context length, fails the step instead of timing it.
     result = bench(
         "--model", "tiny-qwen3.5", "--batch", "1,3", "--prompt-len", "20", "--steps", "2",
