@@ -12,6 +12,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from transfer.cli.int_args import positive_ints, require_positive
 from transfer.cli.model_args import (
     add_local_prefix_cache_arguments,
     add_local_transfer_mode_arguments,
@@ -108,16 +109,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
-def _concurrencies(text: str) -> list[int]:
-    try:
-        values = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise InvalidInput(f"--concurrency: expected integers like 1,4,16, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise InvalidInput(f"--concurrency: every value must be >= 1, got {text!r}")
-    return values
-
-
 def run(args: argparse.Namespace) -> int:
     from transfer.bench.decode_steps import read_step_totals
     from transfer.bench.serve_load import run_load
@@ -125,13 +116,9 @@ def run(args: argparse.Namespace) -> int:
     from transfer.presets import load_geometry
     from transfer.serving.local import LocalPair, LocalPairConfig
 
-    levels = _concurrencies(args.concurrency)
-    for name in ("requests", "rounds", "prompt_len", "max_tokens", "max_num_batched_tokens",
-                 "turns", "turn_len", "stream_layers"):  # fmt: skip
-        if getattr(args, name) < 1:
-            raise InvalidInput(
-                f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}"
-            )
+    levels = positive_ints(args.concurrency, "--concurrency", "1,4,16")
+    require_positive(args, ("requests", "rounds", "prompt_len", "max_tokens",
+                            "max_num_batched_tokens", "turns", "turn_len", "stream_layers"))  # fmt: skip
     if args.workload == "multiturn" and not 0 <= args.system_len <= args.prompt_len:
         raise InvalidInput(f"--system-len must be in [0, --prompt-len], got {args.system_len}")
     geometry = load_geometry(args.model)

@@ -6,7 +6,8 @@ import argparse
 import json
 import sys
 
-from transfer.errors import InvalidInput
+from transfer.cli.int_args import positive_ints, require_positive
+from transfer.cli.model_args import model_source
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -21,6 +22,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--model",
+        type=model_source,
         default="tiny-qwen3-next",
         metavar="NAME|DIR",
         help="a checkpoint directory or a tiny preset (default tiny-qwen3-next)",
@@ -46,16 +48,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from transfer.bench.model_steps import format_timings, time_model_steps
-    from transfer.cli.model_args import model_source
 
-    batches = _batches(args.batch)
-    for name in ("prompt_len", "steps"):
-        if getattr(args, name) < 1:
-            raise InvalidInput(
-                f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}"
-            )
+    batches = positive_ints(args.batch, "--batch", "1,8,32")
+    require_positive(args, ("prompt_len", "steps"))
     timings = time_model_steps(
-        model_source(args.model), batches, args.prompt_len, args.steps, seed=args.seed,
+        args.model, batches, args.prompt_len, args.steps, seed=args.seed,
         progress=lambda line: print(f"bench step: {line}", file=sys.stderr, flush=True),
     )  # fmt: skip
     if args.json:
@@ -68,13 +65,3 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(format_timings(timings))
     return 0
-
-
-def _batches(text: str) -> list[int]:
-    try:
-        values = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise InvalidInput(f"--batch: expected integers like 1,8,32, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise InvalidInput(f"--batch: every value must be >= 1, got {text!r}")
-    return values
