@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..rows import index_copy_rows_
+
 # Rows of the padded output buffer start on this many elements: each row of a strided
 # view then runs the same vector loop, so no output's bits depend on the other sequences
 # (a contiguous tensor's loop ends in a scalar tail that rounds SiLU differently).
@@ -38,12 +40,12 @@ def causal_conv1d_naive(
     token_rows = torch.arange(num_tokens, device=x.device) + (sequence + 1) * history
     history_rows = (ends - lengths)[:, None] - history + torch.arange(history, device=x.device)
     padded = x.new_empty(num_tokens + num_seqs * history, dim, dtype=torch.float32)
-    padded.index_copy_(0, token_rows, x.reshape(num_tokens, dim).float())
+    index_copy_rows_(padded, token_rows, x.reshape(num_tokens, dim))
     if initial_state is None:
         entering = padded.new_zeros(num_seqs * history, dim)
     else:
         entering = initial_state.float().transpose(1, 2).reshape(-1, dim)
-    padded.index_copy_(0, history_rows.flatten(), entering)
+    index_copy_rows_(padded, history_rows.flatten(), entering)
     rows = padded.shape[0] - history
     out = padded.new_empty(rows, -(-dim // ROW_ALIGN) * ROW_ALIGN)[:, :dim]
     taps = weight.float().t().contiguous()  # [W, D]: each tap's weights contiguous

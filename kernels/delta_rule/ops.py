@@ -38,7 +38,9 @@ _CHUNK_DOC = """Chunked {title} over whole sequences (prefill).
     chunk_size is 16, 32 or 64. use_qk_l2norm l2-normalises q and k (eps 1e-6) first.
     """
 
-_RECURRENT_DOC = """Token-by-token {title} (decode). Shapes and results as `chunk_{name}`."""
+_RECURRENT_DOC = """Token-by-token {title} (decode). Shapes and results as `chunk_{name}`;
+    state_in_place writes the final state into initial_state and returns it, sparing a
+    copy of every state per step (needs initial_state and output_final_state)."""
 
 
 def _named(op, kind: DeltaRuleKind, form: str, doc: str):
@@ -95,14 +97,20 @@ def recurrent_op(kind: DeltaRuleKind):
         output_final_state: bool = False,
         use_qk_l2norm: bool = False,
         cu_seqlens: torch.Tensor | None = None,
+        state_in_place: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         check_delta_rule_args(q, k, v, g, beta, initial_state, cu_seqlens, kind.decay_per_key)
+        if state_in_place and (initial_state is None or not output_final_state):
+            raise ValueError("state_in_place: needs an initial_state and output_final_state")
         scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
         args = (q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm)
         if use_triton(q, k, v, g, beta, initial_state):
             from .triton_state import recurrent_delta_rule
 
-            return recurrent_delta_rule(*args, cu_seqlens)
-        return naive_recurrent_delta_rule(*args, cu_seqlens=cu_seqlens)
+            o, final = recurrent_delta_rule(*args, cu_seqlens)
+            return o, initial_state.copy_(final) if state_in_place else final
+        return naive_recurrent_delta_rule(
+            *args, cu_seqlens=cu_seqlens, state_in_place=state_in_place
+        )
 
     return _named(op, kind, "recurrent", _RECURRENT_DOC)

@@ -182,6 +182,63 @@ def test_torch_backend_runs_the_naive_reference(kind, backend):
     assert torch.equal(o, ref_o) and torch.equal(s, ref_s)
 
 
+def one_token_each(kind: Kind, N: int) -> dict:
+    """A decode step's inputs: N sequences of one token each, packed along T."""
+    x = make_inputs(kind, B=1, T=N, n_states=N)
+    return x | {"cu_seqlens": torch.arange(N + 1)}
+
+
+def test_batched_decode_step_equals_each_sequence_alone(kind, rel_err):
+    """The one-token-each path (a decode step; its own algebra) against the token loop."""
+    x = one_token_each(kind, N=5)
+    o, s = kind.naive_recurrent(**x, output_final_state=True, use_qk_l2norm=True)
+    for n in range(5):
+        alone = {name: t[:, n : n + 1] for name, t in x.items() if name != "cu_seqlens"}
+        alone["initial_state"] = x["initial_state"][n : n + 1]
+        ref_o, ref_s = kind.naive_recurrent(**alone, output_final_state=True, use_qk_l2norm=True)
+        assert rel_err(o[:, n : n + 1], ref_o) < FP32_BOUND
+        assert rel_err(s[n : n + 1], ref_s) < FP32_BOUND
+
+
+@pytest.mark.parametrize(
+    "backend_name", ["torch", pytest.param("triton", marks=pytest.mark.kernels)]
+)
+@pytest.mark.parametrize("layout", ["decode", "decode-strided-state", "tokens"])
+def test_state_in_place_writes_the_final_state_into_the_initial_one(
+    kind, backend, backend_name, layout
+):
+    backend(backend_name)
+    if layout == "tokens":  # several tokens per sequence: the token loop
+        x = make_inputs(kind, B=1, T=12, n_states=3) | {"cu_seqlens": torch.tensor([0, 5, 6, 12])}
+    else:
+        x = one_token_each(kind, N=4)
+    if layout == "decode-strided-state":  # as a cache's slots are: rows apart, not one tensor
+        rows = torch.randn(4, 3, *x["initial_state"].shape[1:])
+        rows[:, 1] = x["initial_state"]
+        x["initial_state"] = rows[:, 1]
+        neighbours = rows[:, 0::2].clone()
+    entering = x["initial_state"].clone()
+    o, s = kind.recurrent(**x, output_final_state=True, use_qk_l2norm=True)
+    assert torch.equal(x["initial_state"], entering)  # by default only read
+    o_in_place, s_in_place = kind.recurrent(
+        **x, output_final_state=True, use_qk_l2norm=True, state_in_place=True
+    )
+    assert s_in_place is x["initial_state"]
+    assert torch.equal(o_in_place, o) and torch.equal(s_in_place, s)
+    assert not torch.equal(s, entering)
+    if layout == "decode-strided-state":  # the slot's rows changed, and nothing around them
+        assert torch.equal(rows[:, 1], s) and torch.equal(rows[:, 0::2], neighbours)
+
+
+def test_state_in_place_needs_a_state_to_write(kind):
+    x = one_token_each(kind, N=2)
+    with pytest.raises(ValueError, match="state_in_place"):
+        kind.recurrent(**(x | {"initial_state": None}), output_final_state=True,
+                       state_in_place=True)  # fmt: skip
+    with pytest.raises(ValueError, match="state_in_place"):
+        kind.recurrent(**x, state_in_place=True)
+
+
 def test_bound_catches_plausible_bugs(kind, rel_err):
     x = make_inputs(kind, B=2, T=100, H=1, HV=2, K=16, V=16)
     x["q"], x["k"] = x["q"] * 0.3, x["k"] * 0.3
@@ -202,7 +259,11 @@ def test_public_ops_keep_their_names_and_signatures(kind):
                     "use_qk_l2norm", "chunk_size", "cu_seqlens"]  # fmt: skip
     for form, op, params in [
         ("chunk", kind.chunk, chunk_params),
-        ("recurrent", kind.recurrent, [p for p in chunk_params if p != "chunk_size"]),
+        (
+            "recurrent",
+            kind.recurrent,
+            [p for p in chunk_params if p != "chunk_size"] + ["state_in_place"],
+        ),
     ]:
         assert getattr(kernels, f"{form}_{kind.name}") is op
         assert op.__name__ == f"{form}_{kind.name}" and op.__module__ == f"kernels.{kind.name}"

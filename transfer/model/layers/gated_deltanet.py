@@ -106,4 +106,5 @@ def _delta_rule(part: Part, inputs, initial_state):
                 cu_seqlens=part.cu_seqlens)  # fmt: skip
     if part.chunked:
         return chunk_gdn(q, k, v, g, beta, chunk_size=scan_chunk_size(q.device), **args)
-    return recurrent_gdn(q, k, v, g, beta, **args)
+    # the entering states are the slots' own rows or a private gather: update them in place
+    return recurrent_gdn(q, k, v, g, beta, state_in_place=initial_state is not None, **args)

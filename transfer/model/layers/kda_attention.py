@@ -72,4 +72,5 @@ def _delta_rule(part: Part, inputs, initial_state):
                 cu_seqlens=part.cu_seqlens)  # fmt: skip
     if part.chunked:
         return chunk_kda(*inputs, chunk_size=scan_chunk_size(inputs[0].device), **args)
-    return recurrent_kda(*inputs, **args)
+    # the entering states are the slots' own rows or a private gather: update them in place
+    return recurrent_kda(*inputs, state_in_place=initial_state is not None, **args)

@@ -12,10 +12,12 @@ from collections.abc import Callable, Sequence
 import torch
 
 from kernels import causal_conv1d, causal_conv1d_update
+from kernels.rows import index_copy_rows_
 from transfer.model.batch import Batch, Part
 from transfer.model.layers.common import attend, paged_read
 
-# run(part, inputs [1, Tg, ...] each, initial_state [Ng, ...] fp32 or None) -> (out, final)
+# run(part, inputs [1, Tg, ...] each, initial_state [Ng, ...] fp32 or None) -> (out, final);
+# final may be initial_state itself, updated in place (a view of the slots, or a gather)
 ScanRun = Callable[[Part, Sequence[torch.Tensor], torch.Tensor | None], tuple]
 
 
@@ -45,6 +47,15 @@ def initial_states(cache: torch.Tensor, part: Part, dtype: torch.dtype) -> torch
     return states.contiguous()
 
 
+def _is_slots_view(cache: torch.Tensor, part: Part, states: torch.Tensor) -> bool:
+    """Whether `states` are the cache's own rows of `part`'s slots (one run of them)."""
+    if len(part.slot_runs) != 1:
+        return False
+    _, slot, count = part.slot_runs[0]
+    rows = cache[slot : slot + count]
+    return states.data_ptr() == rows.data_ptr() and states.stride() == rows.stride()
+
+
 def store_states(cache: torch.Tensor, part: Part, final: torch.Tensor) -> None:
     """final [Ng, ...] -> the rows of `part`'s slots in cache [slots, ...]: a slice copy per
     run of slots when they are few, else one scatter."""
@@ -52,7 +63,7 @@ def store_states(cache: torch.Tensor, part: Part, final: torch.Tensor) -> None:
         for row, slot, count in part.slot_runs:
             cache[slot : slot + count].copy_(final[row : row + count])
     else:
-        cache.index_copy_(0, part.slots, final.to(cache.dtype))
+        index_copy_rows_(cache, part.slots, final)
 
 
 def short_conv(
@@ -106,7 +117,7 @@ def scan(
             continue
         init = None if cache is None else initial_states(cache, part, torch.float32)
         o, final = run(part, [part.take(t)[None] for t in inputs], init)
-        if cache is not None:
+        if cache is not None and not (final is init and _is_slots_view(cache, part, init)):
             store_states(cache, part, final)
         num_tokens = batch.token_ids.shape[0]
         if part.span == slice(0, num_tokens):  # the whole step: no copy
@@ -154,21 +165,23 @@ def decode_attention(
     # past a sequence's length hold stale bytes, possibly NaN: masked out of the scores
     # and zeroed in the values, as 0 * NaN would not vanish.
     table = batch.block_tables[members, :num_blocks].clamp(min=0).flatten()
-    keys, values = (
-        c.index_select(0, table).view(n, length, *c.shape[2:]).float() for c in (k_cache, v_cache)
-    )  # [Nd, L, HK, D|Dv]
     stale = invalid.flatten().nonzero().squeeze(1)  # a row fill, not a broadcast mask
-    values.view(n * length, -1).index_fill_(0, stale, 0.0)
-    heads, kv_heads = rows.shape[1], keys.shape[2]
-    # query head h reads key head h // group: per key head, its group's queries at once,
-    # over strided views of the gathered rows (no copy into a head-major layout)
-    grouped = rows.view(n, kv_heads, heads // kv_heads, rows.shape[2])
-    out = rows.new_empty(n, kv_heads, heads // kv_heads, values.shape[-1])
+    heads, kv_heads, dv = rows.shape[1], k_cache.shape[2], v_cache.shape[-1]
+    group = heads // kv_heads
+    # query head h reads key head h // group: per key head, its group's queries at once.
+    # Each head's rows are gathered on their own, since a head-major cache keeps a token's
+    # heads apart, and each head's output is one contiguous [Nd, group, Dv] tensor, which
+    # the CPU's bmm fills in one batched GEMM (into a strided view it loops per sequence).
+    grouped = rows.view(n, kv_heads, group, rows.shape[2])
+    out = rows.new_empty(kv_heads, n, group, dv)
     for head in range(kv_heads):
-        scores = torch.bmm(grouped[:, head], keys[:, :, head].transpose(1, 2)) * scale
+        keys = k_cache[:, :, head].index_select(0, table).view(n, length, -1).float()
+        values = v_cache[:, :, head].index_select(0, table).view(n * length, dv).float()
+        values.index_fill_(0, stale, 0.0)
+        scores = torch.bmm(grouped[:, head], keys.transpose(1, 2)) * scale
         scores.masked_fill_(invalid[:, None, :], float("-inf"))
-        torch.bmm(scores.softmax(-1), values[:, :, head], out=out[:, head])
-    return out.view(n, heads, values.shape[-1])
+        torch.bmm(scores.softmax(-1), values.view(n, length, dv), out=out[head])
+    return out.transpose(0, 1).reshape(n, heads, dv)
 
 
 def paged_attention(
