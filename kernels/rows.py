@@ -10,13 +10,16 @@ from __future__ import annotations
 import torch
 
 WORD = torch.complex128  # the widest element type index_copy_ moves whole
+# Below this many bytes the word view's own cost (some 10-20 us of Python) outweighs it.
+MIN_WORD_BYTES = 1 << 16
 
 
 def index_copy_rows_(dest: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     """dest[index[i]] = src[i] along dim 0 and returns dest; dest [N, ...] (any strides),
     src [n, ...] with dest's trailing shape, cast to dest's dtype."""
     src = src.to(dest.dtype)
-    words = as_words(dest) if dest.device.type == "cpu" and src.numel() else None
+    large = src.numel() * src.element_size() >= MIN_WORD_BYTES
+    words = as_words(dest) if large and dest.device.type == "cpu" else None
     if words is not None:
         flat = src.contiguous().view(src.shape[0], -1).view(WORD)
         words.index_copy_(0, index, flat.view(src.shape[0], *words.shape[1:]))

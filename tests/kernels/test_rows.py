@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels import rows
 from kernels.rows import WORD, as_words, index_copy_rows_
 
 
@@ -21,7 +22,7 @@ def bits(x: torch.Tensor) -> torch.Tensor:
 # (destination built from a backing tensor, source row shape): what the caches look like
 DESTINATIONS = {
     "contiguous": (lambda: random_bits(12, 8, 32), (8, 32)),
-    "heads-apart": (lambda: random_bits(12, 6, 4, 16)[:, 1:5], (4, 4, 16)),  # SSM slots
+    "heads-apart": (lambda: random_bits(12, 4, 2, 4, 16)[:, :, 1], (4, 4, 16)),  # SSM slots
     "conv-window": (lambda: random_bits(12, 2, 40, 3)[:, 0], (40, 3)),  # merged trailing dims
     "bf16": (lambda: random_bits(12, 16, dtype=torch.bfloat16), (16,)),
     "odd-row": (lambda: random_bits(12, 3, 5), (3, 5)),  # 60 bytes: not whole words
@@ -29,8 +30,11 @@ DESTINATIONS = {
 }
 
 
+@pytest.mark.parametrize("word_path", [True, False], ids=["words", "elements"])
 @pytest.mark.parametrize("name", DESTINATIONS)
-def test_same_bytes_as_index_copy(name):
+def test_same_bytes_as_index_copy(name, word_path, monkeypatch):
+    # these copies are small: the word path takes them only with the size floor lowered
+    monkeypatch.setattr(rows, "MIN_WORD_BYTES", 0 if word_path else 1 << 30)
     build, row_shape = DESTINATIONS[name]
     dest = build()
     src = random_bits(5, *row_shape, dtype=dest.dtype)
