@@ -2,7 +2,8 @@
 
 On the CPU, torch's `index_copy_` steps through its rows one element at a time, so a float32
 scatter viewed as complex128 words moves the same bytes 2-4x faster (docs/benchmarks.md,
-"Row scatters as 16-byte words"). Only bytes are copied: no value passes through arithmetic.
+"Decode steps at batch", eighth round). Only bytes are copied: no value passes through
+arithmetic.
 """
 
 from __future__ import annotations

@@ -35,7 +35,8 @@ MAX_SLICED_RUNS = 4
 def initial_states(cache: torch.Tensor, part: Part, dtype: torch.dtype) -> torch.Tensor | None:
     """[Ng, ...] states entering `part`'s sequences: the slot's for those with context, zeros
     for fresh ones; None when all are fresh (the kernels' own zero start). When the slots are
-    one run, a view of the cache: the kernels only read their initial states."""
+    one run, a view of the cache, which a kernel that updates its states in place (decode)
+    writes directly; otherwise a private gather."""
     if part.num_fresh == len(part.fresh):
         return None
     if not part.num_fresh and len(part.slot_runs) == 1 and cache.dtype == dtype:
