@@ -189,7 +189,7 @@ def one_token_each(kind: Kind, N: int) -> dict:
 
 
 def test_batched_decode_step_equals_each_sequence_alone(kind, rel_err):
-    """The one-token-each path (a decode step; its own algebra) against the token loop."""
+    """The one-token-each path (a decode step, as batched matrix products) against the token loop."""
     x = one_token_each(kind, N=5)
     o, s = kind.naive_recurrent(**x, output_final_state=True, use_qk_l2norm=True)
     for n in range(5):
