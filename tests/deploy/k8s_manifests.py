@@ -41,6 +41,13 @@ CHECKPOINTS = {
     "NVIDIA-Nemotron-Nano-12B-v2": "nemotron-nano-12b-v2",
 }
 SHELL = ("sh", "-c")
+# How the vLLM pods start vLLM: the OpenAI server (single node, or a group's leader) and
+# `vllm serve --headless` (a multi-node group's other pods).
+VLLM_SERVER = ("python3", "-m", "vllm.entrypoints.openai.api_server")
+VLLM_SERVE = ("vllm", "serve")
+# The router's backend kinds (`pdxfer serve router --engine ...`): pdxfer's own workers,
+# or vLLM OpenAI servers with PdxferConnector (deploy/k8s/overlays/vllm).
+ROUTER_ENGINES = ("pdxfer", "vllm")
 
 _REFERENCE = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
 
@@ -249,6 +256,26 @@ def command_lines(objects: tuple[Any, ...]) -> Iterator[CommandLine]:
                 yield CommandLine(pod, container, variant, tuple(argv), tuple(missing))
 
 
+def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and name in action.choices:
+            return action.choices[name]
+    raise KeyError(f"pdxfer has no {name!r} command")
+
+
+@functools.cache
+def _cli() -> argparse.ArgumentParser:
+    """The real CLI parser. Until `pdxfer serve` has `--engine` (the router's vLLM
+    backend, landing separately), the flag is added here with the agreed shape,
+    `--engine {pdxfer,vllm}`, so that overlays/vllm's router line still parses; once the
+    CLI defines it, the real definition is used and this stand-in is dead."""
+    parser = build_parser()
+    serve = _subparser(parser, "serve")
+    if not any("--engine" in action.option_strings for action in serve._actions):
+        serve.add_argument("--engine", choices=ROUTER_ENGINES, default="pdxfer")
+    return parser
+
+
 def parse_pdxfer(argv: tuple[str, ...]) -> argparse.Namespace:
     """Parse `pdxfer ...` with the real CLI parser; ValueError carries argparse's message."""
     if not argv or argv[0] != "pdxfer":
@@ -256,7 +283,7 @@ def parse_pdxfer(argv: tuple[str, ...]) -> argparse.Namespace:
     stderr = io.StringIO()
     try:
         with contextlib.redirect_stderr(stderr):
-            return build_parser().parse_args(list(argv[1:]))
+            return _cli().parse_args(list(argv[1:]))
     except SystemExit as exc:
         raise ValueError(f"{list(argv)} does not parse:\n{stderr.getvalue()}") from exc
 
@@ -296,3 +323,19 @@ def geometry_of(model: str) -> ModelGeometry:
 def is_shell(line: CommandLine) -> bool:
     """A `sh -c SCRIPT` container (the smoke and model-fill Jobs)."""
     return line.argv[:2] == SHELL and len(line.argv) == 3
+
+
+def is_vllm(line: CommandLine) -> bool:
+    """A vLLM server: the OpenAI server or `vllm serve` (overlays/vllm)."""
+    return line.argv[: len(VLLM_SERVER)] == VLLM_SERVER or line.argv[:2] == VLLM_SERVE
+
+
+def flag_value(argv: tuple[str, ...], flag: str) -> str | None:
+    """The last value of `flag` in argv, as `--flag=V` or `--flag V`."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+        elif arg == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+    return value

@@ -6,7 +6,16 @@ from __future__ import annotations
 import subprocess
 from typing import Any
 
-from k8s_manifests import CommandLine, command_lines, geometry_of, is_shell, parse_pdxfer
+from k8s_manifests import (
+    CommandLine,
+    command_lines,
+    geometry_of,
+    is_shell,
+    is_vllm,
+    kustomizations,
+    parse_pdxfer,
+    rendered,
+)
 
 from transfer.presets import load_geometry
 from transfer.units import parse_size
@@ -21,6 +30,8 @@ def _parse_all(objects) -> tuple[list[tuple[CommandLine, Any]], list[str]]:
             errors.append(f"{line.label}: undefined references {sorted(set(line.missing))}")
             continue
         if is_shell(line):  # test_shell_scripts_are_valid_sh
+            continue
+        if is_vllm(line):  # test_deploy_vllm
             continue
         try:
             parsed.append((line, parse_pdxfer(line.argv)))
@@ -84,17 +95,26 @@ def test_multi_node_ranks_cover_each_group(objects):
         assert sorted(seen) == list(range(len(seen))), (name, seen)
 
 
-def test_bench_job_runs_both_sides(objects):
-    lines = [line for line in command_lines(objects) if line.argv[1:3] == ("bench", "transfer")]
-    sides = sorted(parse_pdxfer(line.argv).node_rank for line in lines)
-    assert sides in ([], [0, 1])
+def _bench_sides(name: str) -> list[int]:
+    lines = [
+        line for line in command_lines(rendered(name)) if line.argv[1:3] == ("bench", "transfer")
+    ]
+    return sorted(parse_pdxfer(line.argv).node_rank for line in lines)
+
+
+def test_bench_job_runs_both_sides():
+    """The bench overlay runs exactly the two sides, and no other overlay runs a side."""
+    assert _bench_sides("bench") == [0, 1]
+    for name in kustomizations():
+        if name != "bench":
+            assert _bench_sides(name) == [], name
 
 
 def test_shell_scripts_are_valid_sh(objects):
     """The Jobs that are not pdxfer (smoke, model-fill) run one `sh -c` script each."""
     for line in command_lines(objects):
-        if line.argv[:1] != ("pdxfer",):
-            assert is_shell(line), f"{line.label}: neither pdxfer nor sh -c SCRIPT"
+        if line.argv[:1] != ("pdxfer",) and not is_vllm(line):
+            assert is_shell(line), f"{line.label}: neither pdxfer, vLLM nor sh -c SCRIPT"
             subprocess.run(["sh", "-n", "-c", line.argv[2]], check=True, timeout=30)
 
 

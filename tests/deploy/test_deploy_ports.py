@@ -6,6 +6,7 @@ from __future__ import annotations
 from k8s_manifests import (
     command_lines,
     container_ports,
+    flag_value,
     objects_of,
     parse_pdxfer,
     pod_templates,
@@ -19,18 +20,8 @@ PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
 def _serving(objects):
     """(line, parsed args) of every `pdxfer serve` container."""
     for line in command_lines(objects):
-        if line.argv[1:2] == ("serve",):
+        if line.argv[:2] == ("pdxfer", "serve"):
             yield line, parse_pdxfer(line.argv)
-
-
-def _flag(argv: tuple[str, ...], flag: str) -> str | None:
-    value = None
-    for i, arg in enumerate(argv):
-        if arg.startswith(flag + "="):
-            value = arg.split("=", 1)[1]
-        elif arg == flag and i + 1 < len(argv):
-            value = argv[i + 1]
-    return value
 
 
 def test_workers_have_grpc_probes_on_their_grpc_port(objects):
@@ -120,8 +111,8 @@ def test_router_targets_are_headless_pools_on_their_grpc_port(objects):
     services = objects_of(objects, "Service")
     servers = list(_serving(objects))
     for line, args in servers:
-        if args.role != "router":
-            continue
+        if args.role != "router" or args.engine == "vllm":
+            continue  # vLLM backends: test_deploy_vllm
         for role, addresses in (("prefill", args.prefill), ("decode", args.decode)):
             assert addresses, f"{line.label}: no --{role}"
             for address in addresses:
@@ -155,7 +146,7 @@ def test_bench_peer_is_index_zero_on_a_declared_port(objects):
     for line in command_lines(objects):
         if line.argv[1:3] != ("bench", "transfer"):
             continue
-        peer = _flag(line.argv, "--peer")
+        peer = flag_value(line.argv, "--peer")
         assert peer, f"{line.label}: no --peer"
         host, port = split_host_port(peer)
         job = line.pod.owner["metadata"]["name"]

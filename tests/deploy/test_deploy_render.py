@@ -49,14 +49,19 @@ def test_pods_run_pdxfer_image_unprivileged(objects):
         assert context.get("runAsNonRoot") is True, pod.name
         assert context.get("runAsUser", 0) > 0, pod.name
         for container in pod.containers():
-            repository = container["image"].rsplit(":", 1)[0]
-            assert repository.rsplit("/", 1)[-1] == "pdxfer", (pod.name, container["image"])
+            assert container["securityContext"]["allowPrivilegeEscalation"] is False, pod.name
+            assert "ALL" in container["securityContext"]["capabilities"]["drop"], pod.name
+            repository = container["image"].rsplit(":", 1)[0].rsplit("/", 1)[-1]
+            if container["name"] == "vllm":
+                # deploy/docker/Dockerfile.vllm: vLLM's image with pdxfer added.
+                assert repository == "pdxfer-vllm", (pod.name, container["image"])
+                assert container.get("command", [])[:1] in (["python3"], ["vllm"]), pod.name
+                continue
+            assert repository == "pdxfer", (pod.name, container["image"])
             if pod.owner["kind"] == "Job" and container.get("command") == list(SHELL):
                 pass  # smoke, model-fill: scripts, in the same image
             else:
                 assert container.get("command") == ["pdxfer"], pod.name
-            assert container["securityContext"]["allowPrivilegeEscalation"] is False, pod.name
-            assert "ALL" in container["securityContext"]["capabilities"]["drop"], pod.name
 
 
 def test_base_router_pools_config():
@@ -76,7 +81,7 @@ def test_base_router_pools_config():
 
 def test_serving_pods_mount_the_auth_secret(objects):
     for line in command_lines(objects):
-        if line.argv[1:2] != ("serve",):
+        if line.argv[:2] != ("pdxfer", "serve"):
             continue
         token = next(a.split("=", 1)[1] for a in line.argv if a.startswith("--auth-token-file="))
         volumes = {v["name"]: v for v in line.pod.spec["volumes"]}
@@ -166,7 +171,7 @@ def _mount_of(line, path: str) -> tuple[dict, dict]:
 
 def test_every_server_reads_its_model_from_the_read_only_volume(objects):
     for line in command_lines(objects):
-        if line.argv[1:2] != ("serve",):
+        if line.argv[:2] != ("pdxfer", "serve"):
             continue
         args = parse_pdxfer(line.argv)
         assert args.model.startswith(MODELS + "/"), f"{line.label}: --model {args.model}"
@@ -179,7 +184,7 @@ def test_every_server_reads_its_model_from_the_read_only_volume(objects):
 def test_models_claim_is_read_only_many_and_the_same_everywhere(kustomization):
     objects = rendered(kustomization)
     claims = objects_of(objects, "PersistentVolumeClaim")
-    serves = any(line.argv[1:2] == ("serve",) for line in command_lines(objects))
+    serves = any(line.argv[:2] == ("pdxfer", "serve") for line in command_lines(objects))
     if not serves and MODELS_CLAIM not in claims:
         return  # bench, smoke: no model volume
     # Applying two overlays must never try to change the claim: its spec is immutable.
@@ -232,7 +237,7 @@ def test_no_secret_value_is_a_literal_in_any_manifest():
                     assert "secretKeyRef" in var.get("valueFrom", {}), (line.label, var)
     for path in K8S.rglob("*.yaml"):
         for doc in yaml.safe_load_all(path.read_text()):
-            if doc and doc.get("kind") == "Kustomization":
+            if isinstance(doc, dict) and doc.get("kind") == "Kustomization":
                 for generator in doc.get("secretGenerator", []):
                     assert not generator.get("literals"), f"{path}: a secret literal"
 
