@@ -13,13 +13,14 @@ from k8s_manifests import REPO, kustomizations
 
 DOCKERFILE = REPO / "deploy" / "docker" / "Dockerfile"
 DOCKERIGNORE = REPO / "deploy" / "docker" / "Dockerfile.dockerignore"
+VLLM_DOCKERFILE = REPO / "deploy" / "docker" / "Dockerfile.vllm"
 ENSURE_KUBECTL = REPO / "deploy" / "tools" / "ensure-kubectl.sh"
 
 
-def instructions() -> list[tuple[str, str]]:
+def instructions(dockerfile=DOCKERFILE) -> list[tuple[str, str]]:
     """(INSTRUCTION, arguments) in order, continuation lines joined, comments dropped."""
     joined, current = [], ""
-    for line in DOCKERFILE.read_text().splitlines():
+    for line in dockerfile.read_text().splitlines():
         if not current and (not line.strip() or line.lstrip().startswith("#")):
             continue
         if line.rstrip().endswith("\\"):
@@ -35,10 +36,10 @@ def instructions() -> list[tuple[str, str]]:
     return parsed
 
 
-def stages() -> list[list[tuple[str, str]]]:
+def stages(dockerfile=DOCKERFILE) -> list[list[tuple[str, str]]]:
     """The instructions of each build stage; stage 0 holds what precedes the first FROM."""
     found: list[list[tuple[str, str]]] = [[]]
-    for instruction in instructions():
+    for instruction in instructions(dockerfile):
         if instruction[0] == "FROM":
             found.append([])
         found[-1].append(instruction)
@@ -80,8 +81,9 @@ def test_image_installs_pdxfer_with_nixl_and_existing_extras():
     )
 
 
-def test_runs_as_the_numeric_non_root_user_the_manifests_expect():
-    users = [rest for word, rest in stages()[-1] if word == "USER"]
+@pytest.mark.parametrize("dockerfile", [DOCKERFILE, VLLM_DOCKERFILE], ids=lambda p: p.name)
+def test_runs_as_the_numeric_non_root_user_the_manifests_expect(dockerfile):
+    users = [rest for word, rest in stages(dockerfile)[-1] if word == "USER"]
     assert users, "no USER: the image would run as root"
     uid, _, gid = users[-1].partition(":")
     assert uid.isdigit() and int(uid) > 0, f"USER {users[-1]}: runAsNonRoot needs a numeric uid"
@@ -107,19 +109,42 @@ def test_entrypoint_is_the_pdxfer_console_script():
     assert "pdxfer" in pyproject()["project"]["scripts"]
 
 
-def test_copy_sources_exist_and_are_sent_to_the_build():
-    patterns = [p.strip() for p in DOCKERIGNORE.read_text().splitlines()]
+@pytest.mark.parametrize("dockerfile", [DOCKERFILE, VLLM_DOCKERFILE], ids=lambda p: p.name)
+def test_copy_sources_exist_and_are_sent_to_the_build(dockerfile):
+    # BuildKit reads <Dockerfile>.dockerignore beside each Dockerfile.
+    ignore = dockerfile.with_name(dockerfile.name + ".dockerignore")
+    patterns = [p.strip() for p in ignore.read_text().splitlines()]
     patterns = [p for p in patterns if p and not p.startswith("#")]
     assert patterns[0] == "*", "the .dockerignore should start from nothing"
     included = {p[1:].rstrip("/") for p in patterns if p.startswith("!")}
     sources = []
-    for word, rest in instructions():
+    for word, rest in instructions(dockerfile):
         if word == "COPY" and not rest.startswith("--from="):
             sources += [s for s in rest.split()[:-1] if not s.startswith("--")]
     assert sources
     for source in sources:
         assert (REPO / source).exists(), f"COPY {source}: not in the repository"
-        assert source.rstrip("/") in included, f"COPY {source}: excluded by {DOCKERIGNORE.name}"
+        assert source.rstrip("/") in included, f"COPY {source}: excluded by {ignore.name}"
+
+
+def test_vllm_image_is_the_official_vllm_image_at_a_build_argument_tag():
+    preamble, *built = stages(VLLM_DOCKERFILE)
+    args = arg_defaults(preamble)
+    assert args.get("VLLM_IMAGE") == "vllm/vllm-openai", args
+    assert "VLLM_TAG" in args, "the tag is a build argument"
+    assert [stage[0][1].split()[0] for stage in built] == ["${VLLM_IMAGE}:${VLLM_TAG}"]
+
+
+def test_vllm_image_pip_installs_pdxfer_without_replacing_vllms_torch():
+    (stage,) = stages(VLLM_DOCKERFILE)[1:]
+    (install,) = [rest for word, rest in stage if word == "RUN" and "pip install" in rest]
+    assert re.search(r"""pip install .*["']\.(\$|\[|["'\s]|$)""", install), install
+    # torch and triton pinned to what the base holds, and the connector importable.
+    assert "--constraint" in install and "torch" in install and "triton" in install
+    assert "import transfer.vllm" in install
+    extras = arg_defaults(stage).get("PDXFER_EXTRAS", "")
+    for extra in filter(None, extras.split(",")):
+        assert extra in pyproject()["project"]["optional-dependencies"], extra
 
 
 def test_ensure_kubectl_is_valid_sh_and_passes_when_kubectl_exists():
