@@ -18,6 +18,7 @@ LAYERS = [
     ("transfer/packer", "transfer.packer"),
     ("transfer/model", "transfer.model"),
     ("transfer/serving", "transfer.serving"),
+    ("transfer/vllm", "transfer.vllm"),
     ("transfer/bench", "transfer.bench"),
     ("transfer/cli", "transfer.cli"),
 ]
@@ -37,6 +38,8 @@ FORBIDDEN = {
                          "transfer.serving", "transfer.bench", "transfer.cli", "torch"),
     # The model computes; it never talks to peers.
     "transfer/model": ABOVE["transfer/model"] + ("transfer.control", "transfer.dataplane"),
+    # The connector runs inside vLLM: it never pulls in pdxfer's own engine.
+    "transfer/vllm": ABOVE["transfer/vllm"] + ("transfer.serving",),
 }  # fmt: skip
 
 

@@ -1,0 +1,6 @@
+"""pdxfer inside vLLM (issue 34). So far only the ticket that travels in vLLM's
+`kv_transfer_params`; the `PdxferConnector` class itself is not written yet."""
+
+from transfer.vllm.ticket import Ticket
+
+__all__ = ["Ticket"]
