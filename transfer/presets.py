@@ -297,7 +297,7 @@ def _spelled(cfg: ConfigFields, key: str, old: str) -> str:
 
 
 def _nemotron_h_from(cfg: ConfigFields, name: str) -> ModelGeometry:
-    if "layers_block_type" in cfg.data:
+    if cfg.data.get("layers_block_type") is not None:  # as transformers (and nemotron_h)
         types = _listed_types(cfg, "layers_block_type", tuple(_NEMOTRON_BLOCKS))
         pattern, field = "".join(_NEMOTRON_BLOCKS[t] for t in types), "layers_block_type"
     else:
