@@ -166,3 +166,31 @@ def test_unsupported_or_inconsistent_routing_is_refused(moe, tmp_path, changes, 
     variant = _variant(path, tmp_path, **changes)
     with Checkpoint(variant) as checkpoint, pytest.raises(InvalidInput, match=message):
         build_nemotron_h(checkpoint)
+
+
+def test_nano_30b_preset_is_its_published_config():
+    """The preset equals the geometry read from the published config.json's fields."""
+    from transfer.presets import NEMOTRON_3_NANO_30B_PATTERN, get_preset
+
+    published = {
+        "model_type": "nemotron_h",
+        "hybrid_override_pattern": NEMOTRON_3_NANO_30B_PATTERN,
+        "num_hidden_layers": 52,
+        "hidden_size": 2688,
+        "vocab_size": 131072,
+        "mamba_num_heads": 64,
+        "mamba_head_dim": 64,
+        "ssm_state_size": 128,
+        "n_groups": 8,
+        "conv_kernel": 4,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 2,
+        "head_dim": 128,
+        "mamba_ssm_cache_dtype": "float32",
+        "torch_dtype": "bfloat16",
+    }
+    preset = get_preset("nemotron-3-nano-30b-a3b")
+    assert preset.layers == from_hf_dict(published, "hub").layers
+    assert preset.ssm_dtype == from_hf_dict(published, "hub").ssm_dtype == "float32"
+    assert (len(NEMOTRON_3_NANO_30B_PATTERN), NEMOTRON_3_NANO_30B_PATTERN.count("E")) == (52, 23)
+    assert (preset.num_hidden_layers, preset.hidden_size) == (52, 2688)
