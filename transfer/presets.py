@@ -78,6 +78,21 @@ def _nemotron_nano_12b() -> ModelGeometry:
     return _build("nemotron-nano-12b-v2", layers, 5120, 131072)
 
 
+# nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B's published config.json (as copied in public repos and
+# in NeMo Megatron-Bridge's Nemotron3NanoProvider): 52 blocks, 23 MoE (128 routed relu²
+# experts of 1856, top 6, scaling 2.5, n_group 1, one shared expert of 3712), 23 Mamba2
+# (64 heads of 64, state 128, 8 groups, conv 4) and 6 GQA (32 q / 2 kv heads of 128);
+# hidden 2688, vocab 131072, mamba_ssm_cache_dtype float32. See docs/models.md.
+NEMOTRON_3_NANO_30B_PATTERN = "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"
+
+
+def _nemotron_3_nano_30b() -> ModelGeometry:
+    mamba = Mamba2Spec(64, 64, 128, 8, 4)
+    gqa = GQASpec(32, 2, 128)
+    layers = _pattern(NEMOTRON_3_NANO_30B_PATTERN, mamba, gqa)
+    return _build("nemotron-3-nano-30b-a3b", layers, 2688, 131072, ssm_dtype="float32")
+
+
 _LINEAR, _FULL = "linear_attention", "full_attention"
 
 
@@ -85,6 +100,7 @@ PRESETS: dict[str, Callable[[], ModelGeometry]] = {
     "qwen3-next-80b-a3b": _qwen3_next_80b,
     "kimi-linear-48b-a3b": _kimi_linear_48b,
     "nemotron-nano-12b-v2": _nemotron_nano_12b,
+    "nemotron-3-nano-30b-a3b": _nemotron_3_nano_30b,
 }
 
 
@@ -297,7 +313,7 @@ def _spelled(cfg: ConfigFields, key: str, old: str) -> str:
 
 
 def _nemotron_h_from(cfg: ConfigFields, name: str) -> ModelGeometry:
-    if "layers_block_type" in cfg.data:
+    if cfg.data.get("layers_block_type") is not None:  # as transformers (and nemotron_h)
         types = _listed_types(cfg, "layers_block_type", tuple(_NEMOTRON_BLOCKS))
         pattern, field = "".join(_NEMOTRON_BLOCKS[t] for t in types), "layers_block_type"
     else:

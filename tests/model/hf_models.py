@@ -64,6 +64,10 @@ def build_hf(arch: str, seed: int = 0):
         from tests.model.test_kimi_linear import make_hf_model
 
         return make_hf_model()
+    if arch == "nemotron_h_moe":
+        from tests.model.test_nemotron_h_moe import make_hf_model
+
+        return make_hf_model(seed)
     if arch == "nemotron_h":
         from tests.model.test_nemotron_h import make_hf_model
 

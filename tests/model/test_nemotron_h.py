@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from types import SimpleNamespace
 
 import pytest
@@ -20,7 +19,6 @@ from tests.model.parity_kimi_nemotron import (
     run_engine,
     run_ranks,
 )
-from transfer.errors import InvalidInput
 from transfer.geometry import GQASpec, LayerKind, Mamba2Spec
 from transfer.model.checkpoint import Checkpoint
 from transfer.model.distributed import TPGroup
@@ -172,21 +170,6 @@ def test_dt_bias_puts_heads_on_both_sides_of_the_clamp(nemotron):
     dt = torch.nn.functional.softplus(dt_bias)
     assert (dt < TIME_STEP_MIN).any() and (dt > TIME_STEP_MIN).any()
     assert math.isclose(nemotron.model.config.time_step_min, TIME_STEP_MIN)
-
-
-def test_moe_blocks_are_refused(nemotron, tmp_path):
-    config = json.loads((nemotron.path / "config.json").read_text())
-    config["layers_block_type"] = [
-        "linear_attention",
-        "moe",
-        "full_attention",
-        "linear_attention",
-        "mlp",
-    ]
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    os.symlink(nemotron.path / "model.safetensors", tmp_path / "model.safetensors")
-    with Checkpoint(tmp_path) as checkpoint, pytest.raises(InvalidInput, match="MoE"):
-        build_nemotron_h(checkpoint)
 
 
 @pytest.mark.slow

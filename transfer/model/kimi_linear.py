@@ -20,6 +20,7 @@ from transfer.model.layers.kda_attention import KimiDeltaAttention
 from transfer.model.layers.kimi_moe import KimiMoE, Routing
 from transfer.model.layers.mla_attention import KimiMLA
 from transfer.model.layers.mlp import SwiGLU
+from transfer.model.layers.sigmoid_router import routing_from_config
 from transfer.model.rank_weights import RankWeights
 from transfer.presets import from_hf_dict
 
@@ -42,14 +43,7 @@ def mlp_layer_types(config: dict, num_layers: int) -> list[str]:
 
 def routing(config: dict) -> Routing:
     """The MoE routing fields, under transformers' or the hub's names."""
-    return Routing(
-        num_experts=field(config, "num_experts", "num_local_experts", "n_routed_experts", kind=int),
-        top_k=field(config, "num_experts_per_token", "num_experts_per_tok", kind=int),
-        num_groups=field(config, "num_expert_group", "n_group", default=1, kind=int),
-        topk_groups=field(config, "topk_group", default=1, kind=int),
-        renormalize=field(config, "moe_renormalize", "norm_topk_prob", default=True, kind=bool),
-        scaling=float(field(config, "routed_scaling_factor", default=1.0, kind=(int, float))),
-    )
+    return routing_from_config(config)
 
 
 def _mlp_prefix(w: RankWeights, layer: str, probe: str) -> str:

@@ -1,7 +1,7 @@
 """Nemotron-H (transformers' NemotronHForCausalLM) for one TP rank, from a checkpoint.
 
 Block i is norm -> one mixer -> residual, the mixer being Mamba2 or attention (the
-geometry's layer i) or the relu² MLP (a layer the geometry leaves out). Weights live under
+geometry's layer i), or the relu² MLP or the relu² MoE (layers the geometry leaves out). Weights live under
 "backbone." on the hub and in what save_pretrained writes ("model." is accepted too).
 """
 
@@ -18,6 +18,8 @@ from transfer.model.hf_config import field
 from transfer.model.layers.mamba2_mixer import Mamba2Mixer
 from transfer.model.layers.nope_attention import NoPEAttention
 from transfer.model.layers.relu2_mlp import Relu2MLP
+from transfer.model.layers.relu2_moe import Relu2MoE
+from transfer.model.layers.sigmoid_router import routing_from_config
 from transfer.model.rank_weights import RankWeights
 from transfer.presets import from_hf_dict
 
@@ -48,8 +50,8 @@ def _check(geometry: ModelGeometry, config: dict, types: list[str], tp: TPGroup)
     actual = {layer.index: layer.kind for layer in geometry.layers}
     if geometry.num_hidden_layers != len(types) or actual != expected:
         raise InvalidInput(f"geometry: {geometry.name!r} does not match the checkpoint's layers")
-    if "moe" in types:
-        raise InvalidInput("config: field 'layers_block_type' has MoE blocks, not supported yet")
+    if "moe" in types and config.get("moe_latent_size") is not None:
+        raise InvalidInput("config: field 'moe_latent_size' is set; latent MoE is not supported")
     for key, want in (("mlp_hidden_act", "relu2"), ("mamba_hidden_act", "silu")):
         if field(config, key, default=want, kind=str) != want:
             raise InvalidInput(f"config: field {key!r} must be {want!r}, got {config[key]!r}")
@@ -57,6 +59,17 @@ def _check(geometry: ModelGeometry, config: dict, types: list[str], tp: TPGroup)
         if field(config, key, default=False, kind=bool):
             raise InvalidInput(f"config: field {key!r} is true; biases are not supported")
     geometry.check_tp(tp.size)
+
+
+def _moe(config: dict, w: RankWeights, prefix: str, hidden: int) -> Relu2MoE:
+    return Relu2MoE(
+        w,
+        prefix,
+        hidden,
+        routing_from_config(config),
+        field(config, "moe_intermediate_size", kind=int),
+        field(config, "moe_shared_expert_intermediate_size", kind=int),
+    )
 
 
 def build_nemotron_h(
@@ -88,11 +101,13 @@ def build_nemotron_h(
             mixer = Mamba2Mixer(i, specs[i], p + "mixer.", w, tp, hidden, eps, dt_min)
         elif block == "full_attention":
             mixer = NoPEAttention(i, specs[i], p + "mixer.", w, hidden)
+        elif block == "moe":
+            mixer = _moe(config, w, p + "mixer.", hidden)
         else:
             inter = field(config, "intermediate_size", kind=int)
             mixer = Relu2MLP(w, p + "mixer.", hidden, inter)
         norm = w.full(p + "norm.weight", (hidden,))
-        mlp = block == "mlp"
+        mlp = block in ("mlp", "moe")
         sublayers.append(Residual(norm, eps, mixer, tp, stateless=mlp, layer=None if mlp else i))
     table = (geometry.vocab_size, hidden)
     embed = w.full(root + "embeddings.weight", table)

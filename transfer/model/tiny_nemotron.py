@@ -8,6 +8,7 @@ import torch
 
 from transfer.geometry import GQASpec, Mamba2Spec
 from transfer.model.hf_config import field
+from transfer.model.layers.sigmoid_router import routing_from_config
 from transfer.model.nemotron_h import block_types
 from transfer.model.weights import SeededTensors
 from transfer.presets import from_hf_dict
@@ -38,8 +39,21 @@ def _attention(t: SeededTensors, prefix: str, spec: GQASpec, hidden: int) -> Non
     t.linear(prefix + "o_proj.weight", hidden, q_rows)
 
 
+def _moe(t: SeededTensors, prefix: str, config: dict, hidden: int) -> None:
+    experts = routing_from_config(config).num_experts
+    inter = field(config, "moe_intermediate_size", kind=int)
+    shared = field(config, "moe_shared_expert_intermediate_size", kind=int)
+    t.linear(prefix + "gate.weight", experts, hidden, gain=2.0)
+    t.normal(prefix + "gate.e_score_correction_bias", (experts,), 0.05)
+    for e in range(experts):
+        t.linear(f"{prefix}experts.{e}.up_proj.weight", inter, hidden)
+        t.linear(f"{prefix}experts.{e}.down_proj.weight", hidden, inter)
+    t.linear(prefix + "shared_experts.up_proj.weight", shared, hidden)
+    t.linear(prefix + "shared_experts.down_proj.weight", hidden, shared)
+
+
 def nemotron_tensors(config: dict, seed: int, lm_head_gain: float) -> dict[str, torch.Tensor]:
-    """The seeded fp32 tensors of a Nemotron-H config (Mamba2, attention and MLP blocks)."""
+    """The seeded fp32 tensors of a Nemotron-H config (Mamba2, attention, MLP, MoE blocks)."""
     geometry = from_hf_dict(config, "tiny")
     hidden, vocab = geometry.hidden_size, geometry.vocab_size
     specs = {layer.index: layer.spec for layer in geometry.layers}
@@ -51,6 +65,8 @@ def nemotron_tensors(config: dict, seed: int, lm_head_gain: float) -> dict[str, 
             _mamba2(t, p + "mixer.", specs[i], hidden)
         elif block == "full_attention":
             _attention(t, p + "mixer.", specs[i], hidden)
+        elif block == "moe":
+            _moe(t, p + "mixer.", config, hidden)
         else:
             inter = field(config, "intermediate_size", kind=int)
             t.linear(p + "mixer.up_proj.weight", inter, hidden)
