@@ -1,5 +1,5 @@
-"""pdxfer inside vLLM (issue 34). So far only the ticket that travels in vLLM's
-`kv_transfer_params`; the `PdxferConnector` class itself is not written yet."""
+"""pdxfer inside vLLM. So far only the ticket that travels in vLLM's `kv_transfer_params`
+(`Ticket`); the `PdxferConnector` class itself is not written yet."""
 
 from transfer.vllm.ticket import Ticket
 
