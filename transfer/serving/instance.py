@@ -249,9 +249,5 @@ class Instance:
         evictable = self.prefix.evictable_blocks if self.prefix is not None else 0
         return self.pools.blocks.num_free + evictable
 
-    def free_counts(self) -> tuple[int, int]:
-        """(KV blocks an allocation can have, free state slots)."""
-        return self.free_kv_blocks, self.pools.slots.num_free
-
     def close(self) -> None:
         self.ranks.close()
