@@ -250,3 +250,63 @@ def test_models_and_metrics():
     text = client.get("/metrics").text
     assert "pdxfer_router_ttft_seconds_count 1.0" in text
     assert "pdxfer_router_itl_seconds_count 2.0" in text
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"max_tokens": 1e309}, "max_tokens"),
+        ({"max_tokens": float("nan")}, "max_tokens"),
+        ({"n": True}, "n"),
+        ({"prompt": [2**31]}, "prompt"),
+        ({"prompt": [2**70]}, "prompt"),
+        ({"prompt": [[1]] * 257}, "prompt"),
+    ],
+)
+def test_probe_inputs_are_named_400s(body, param):
+    client = make_client(CountingEngine())
+    raw = json.dumps({"model": "tiny", "prompt": [1, 2], **body})
+    reply = client.post("/v1/completions", content=raw.replace("NaN", "NaN"))
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == param
+
+
+def test_lone_surrogates_are_named_400s(codec):
+    client = make_client(CountingEngine(), codec=codec)
+    raw = '{"model": "tiny", "prompt": "a\\ud800b"}'
+    reply = client.post("/v1/completions", content=raw)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "prompt"
+    raw = '{"model": "tiny", "messages": [{"role": "user", "content": "\\udc00"}]}'
+    reply = client.post("/v1/chat/completions", content=raw)
+    assert reply.status_code == 400
+    assert reply.json()["error"]["param"] == "messages[0].content"
+
+
+def test_chat_logprobs_must_be_a_boolean(codec):
+    client = make_client(CountingEngine(), codec=codec)
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "logprobs": "yes"}
+    reply = client.post("/v1/chat/completions", json=body)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "logprobs"
+
+
+def test_deeply_nested_json_is_a_400():
+    client = make_client(CountingEngine())
+    reply = client.post("/v1/completions", content="[" * 100_000 + "]" * 100_000)
+    assert reply.status_code == 400
+    assert reply.json()["error"]["code"] == "invalid_json"
+
+
+def test_unknown_routes_and_methods_get_openai_errors():
+    client = make_client(CountingEngine())
+    for reply, status in ((client.get("/v1/nope"), 404), (client.get("/v1/completions"), 405)):
+        assert reply.status_code == status
+        assert reply.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_refused_non_streaming_request_is_429_with_retry_after():
+    engine = CountingEngine()
+    engine.fail = CapacityError("pool full")
+    reply = make_client(engine).post(
+        "/v1/completions", json={"model": "tiny", "prompt": [1], "max_tokens": 2}
+    )
+    assert reply.status_code == 429 and reply.headers["retry-after"] == "1"

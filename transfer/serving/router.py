@@ -205,6 +205,10 @@ class Router:
                     self.metrics.decode_retries.inc()
                     self._decode.forget()
             status = "ok"
+        except GeneratorExit:
+            # The caller stopped reading (EOS, a stop string, a client gone): nothing failed.
+            status = "ok"
+            raise
         finally:
             self.metrics.requests.labels(status=status).inc()
 

@@ -21,6 +21,7 @@ from typing import Protocol
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from transfer.serving.openai.errors import api_error_of
 from transfer.serving.openai.metrics import HttpMetrics
@@ -211,11 +212,18 @@ def build_app(
                     raise ApiError(401, "missing or wrong API key", type="authentication_error")
             return await call_next(request)
         except ApiError as exc:
-            return JSONResponse(exc.body(), status_code=exc.status)
+            return _error_response(exc)
 
     @app.exception_handler(ApiError)
     async def api_error(_request: Request, exc: ApiError):
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return _error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_request: Request, exc: StarletteHTTPException):
+        # Unknown routes and wrong methods, in the OpenAI shape rather than {"detail": ...}.
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        error = ApiError(exc.status_code, str(exc.detail), code=code)
+        return _error_response(error)
 
     async def body_of(request: Request):
         too_large = ApiError(
@@ -233,6 +241,8 @@ def build_app(
                 raise too_large
         try:
             return json.loads(raw)
+        except RecursionError:
+            raise ApiError(400, "the request body nests too deeply", code="invalid_json") from None
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise ApiError(400, "the request body is not valid JSON", code="invalid_json") from None
 
@@ -369,6 +379,14 @@ def build_app(
                 "choices": [choice], "usage": _usage(len(ids), len(out.ids), out.cached_tokens)}  # fmt: skip
 
     return app
+
+
+RETRY_AFTER_S = 1  # what a refused (429) client is told to wait
+
+
+def _error_response(exc: ApiError) -> JSONResponse:
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.status == 429 else None
+    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
 
 def _stream(run: Callable) -> StreamingResponse:

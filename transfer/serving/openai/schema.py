@@ -5,8 +5,12 @@ Every rejection is an `ApiError` naming the parameter, in the OpenAI error shape
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Any
+
+MAX_PROMPTS = 256  # prompts in one completion request: each is a request to the workers
+TOKEN_ID_LIMIT = 1 << 31  # ids travel as int32; anything past this is outside every vocabulary
 
 
 class ApiError(Exception):
@@ -79,6 +83,8 @@ def _number(body: dict, name: str, default, low: float, high: float, kind=float)
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise bad(name, f"must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise bad(name, f"must be a finite number, got {value!r}")
     if kind is int and int(value) != value:
         raise bad(name, f"must be an integer, got {value!r}")
     if not low <= value <= high:
@@ -99,7 +105,7 @@ def _stop(body: dict) -> tuple[str, ...]:
 
 def _common(body: dict, *, default_max_tokens: int) -> tuple[Sampling, bool, bool]:
     n = body.get("n", 1)
-    if n != 1:
+    if isinstance(n, bool) or n != 1:
         raise ApiError(
             400, f"n: only n=1 is supported, got {n!r}", param="n", code="unsupported_parameter"
         )
@@ -143,19 +149,36 @@ def _prompts(prompt: Any) -> tuple[str | tuple[int, ...], ...]:
             and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
         )
 
+    if isinstance(prompt, list) and len(prompt) > MAX_PROMPTS and not is_ids(prompt):
+        raise bad("prompt", f"at most {MAX_PROMPTS} prompts per request, got {len(prompt)}")
     if isinstance(prompt, str):
-        return (prompt,)
+        return (_text("prompt", prompt),)
     if is_ids(prompt):
-        return (tuple(prompt),)
+        return (_ids(tuple(prompt)),)
     if isinstance(prompt, list) and prompt:
         if all(isinstance(p, str) for p in prompt):
-            return tuple(prompt)
+            return tuple(_text("prompt", p) for p in prompt)
         if all(is_ids(p) for p in prompt):
-            return tuple(tuple(p) for p in prompt)
+            return tuple(_ids(tuple(p)) for p in prompt)
     raise bad(
         "prompt",
         "must be a string, a list of strings, a list of token ids or a list of such lists",
     )
+
+
+def _text(param: str, text: str) -> str:
+    """`text` if it is valid Unicode (JSON lets a lone UTF-16 surrogate through)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise bad(param, "contains a lone UTF-16 surrogate, not valid Unicode") from None
+    return text
+
+
+def _ids(prompt: tuple[int, ...]) -> tuple[int, ...]:
+    if any(not 0 <= t < TOKEN_ID_LIMIT for t in prompt):
+        raise bad("prompt", f"token ids must be in [0, 2**31), got {max(prompt, key=abs)}")
+    return prompt
 
 
 def parse_completion(body: Any, *, default_max_tokens: int = 16) -> CompletionBody:
@@ -191,9 +214,14 @@ def parse_chat(body: Any, *, default_max_tokens: int) -> ChatBody:
             content = "".join(str(p.get("text", "")) for p in content)
         if content is not None and not isinstance(content, str):
             raise bad(f"messages[{i}].content", "must be a string or a list of text parts")
+        if content is not None:
+            _text(f"messages[{i}].content", content)
         checked.append({**message, "content": content or ""})
     sampling, stream, include_usage = _common(body, default_max_tokens=default_max_tokens)
-    if body.get("logprobs"):
+    logprobs = body.get("logprobs")
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise bad("logprobs", f"must be true or false, got {logprobs!r}")
+    if logprobs:
         top = body.get("top_logprobs") or 0
         if top not in (0, 1):
             raise bad("top_logprobs", f"only 0 or 1 is supported, got {top!r}")
