@@ -1,0 +1,95 @@
+"""Router.generate's retry rule and outcome counter, with its attempts injected."""
+
+from __future__ import annotations
+
+import pytest
+
+from transfer.control.errors import ControlError
+from transfer.control.types import GenerateRequest, TokenEvent
+from transfer.serving.router import Router
+
+REQUEST = GenerateRequest("r1", (1, 2, 3), 4)
+
+
+@pytest.fixture
+def router():
+    # Nothing listens on these addresses: every call below goes through the injected attempt.
+    router = Router(["127.0.0.1:1"], ["127.0.0.1:2"])
+    yield router
+    router.close()
+
+
+def _events(count: int) -> list[TokenEvent]:
+    return [TokenEvent("r1", 10 + i, i, finished=i == count - 1) for i in range(count)]
+
+
+def _inject(router: Router, monkeypatch, attempts: list) -> list[int]:
+    """Each call of `_attempt` takes the next item: an exception raised before any token,
+    or a list of events. Returns the list of call numbers made."""
+    calls: list[int] = []
+
+    def attempt(request):
+        calls.append(len(calls))
+        outcome = attempts[len(calls) - 1]
+        if isinstance(outcome, Exception):
+            raise outcome
+        yield from outcome
+
+    monkeypatch.setattr(router, "_attempt", attempt)
+    return calls
+
+
+def _count(router: Router, status: str) -> float:
+    value = router.metrics.registry.get_sample_value(
+        "pdxfer_router_requests_total", {"status": status}
+    )
+    return value or 0.0
+
+
+def test_decode_failing_before_its_first_token_is_retried_once(router, monkeypatch):
+    calls = _inject(router, monkeypatch, [ControlError("UNAVAILABLE", "gone"), _events(3)])
+    tokens = [event.token for event in router.generate(REQUEST)]
+    assert tokens == [10, 11, 12]
+    assert len(calls) == 2
+    assert router.metrics.registry.get_sample_value("pdxfer_router_decode_retries_total") == 1
+    assert _count(router, "ok") == 1 and _count(router, "failed") == 0
+
+
+def test_a_code_a_retry_would_share_is_not_retried(router, monkeypatch):
+    calls = _inject(router, monkeypatch, [ControlError("INVALID_ARGUMENT", "bad"), _events(1)])
+    with pytest.raises(ControlError, match="INVALID_ARGUMENT"):
+        list(router.generate(REQUEST))
+    assert len(calls) == 1
+    assert _count(router, "failed") == 1
+
+
+def test_the_last_attempt_failing_is_raised(router, monkeypatch):
+    gone = ControlError("UNAVAILABLE", "gone")
+    calls = _inject(router, monkeypatch, [gone, ControlError("ABORTED", "again")])
+    with pytest.raises(ControlError, match="ABORTED"):
+        list(router.generate(REQUEST))
+    assert len(calls) == 2
+    assert _count(router, "failed") == 1
+
+
+def test_a_failure_after_the_first_token_is_not_retried(router, monkeypatch):
+    def broken():
+        yield from _events(2)[:1]
+        raise ControlError("UNAVAILABLE", "decode died")
+
+    calls = _inject(router, monkeypatch, [broken(), _events(2)])
+    stream = router.generate(REQUEST)
+    assert next(stream).token == 10
+    with pytest.raises(ControlError, match="decode died"):
+        next(stream)
+    assert len(calls) == 1
+    assert _count(router, "failed") == 1
+
+
+def test_a_caller_that_stops_reading_counts_as_ok(router, monkeypatch):
+    # A stop string or EOS found by the front end closes the stream early: nothing failed.
+    _inject(router, monkeypatch, [_events(4)])
+    stream = router.generate(REQUEST)
+    assert next(stream).token == 10
+    stream.close()
+    assert _count(router, "ok") == 1 and _count(router, "failed") == 0
