@@ -96,6 +96,15 @@ def test_interface_lookup():
         interface_of("192.0.2.77")  # TEST-NET-1, never configured
 
 
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [(["--host", "192.0.2.77"], "--host"), (["--data-host", "192.0.2.77"], "--data-host")],
+)
+def test_an_address_no_interface_holds_names_the_flag_it_came_from(flags, named):
+    with pytest.raises(ValueError, match=f"^{named}: no local interface"):
+        instance_config(serve_args("prefill", "--model", "tiny-qwen3-next", *flags))
+
+
 def test_router_addresses():
     assert split_address("[::1]:50051") == ("::1", 50051)
     assert join_address("::1", 5) == "[::1]:5" and join_address("10.0.0.1", 5) == "10.0.0.1:5"

@@ -57,12 +57,13 @@ def tls_configs(options: ServeOptions) -> tuple[TlsConfig | None, TlsConfig | No
     return server, client
 
 
-def interface_of(host: str) -> str | None:
-    """The network interface holding IPv4 address `host` (for UCX_NET_DEVICES), or None."""
+def interface_of(host: str, flag: str = "--data-host") -> str | None:
+    """The network interface holding IPv4 address `host` (for UCX_NET_DEVICES), or None.
+    `flag` names the option `host` came from in errors (--host when --data-host is unset)."""
     try:
         ip = ipaddress.ip_address(socket.gethostbyname(host))
     except (OSError, ValueError):
-        raise ValueError(f"--data-host: cannot resolve {host!r}") from None
+        raise ValueError(f"{flag}: cannot resolve {host!r}") from None
     if ip.is_unspecified:
         return None
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
@@ -75,7 +76,7 @@ def interface_of(host: str) -> str | None:
                 continue
             if socket.inet_ntoa(packed[20:24]) == str(ip):
                 return name
-    raise ValueError(f"--data-host: no local interface has address {ip}")
+    raise ValueError(f"{flag}: no local interface has address {ip}")
 
 
 def is_loopback(host: str) -> bool:
@@ -256,7 +257,9 @@ def instance_config(options: ServeOptions):
         nnodes=options.nnodes,
         node_rank=options.node_rank,
         dist_addr=options.dist_addr,
-        net_device=interface_of(options.data_host or options.host),
+        net_device=interface_of(
+            options.data_host or options.host, "--data-host" if options.data_host else "--host"
+        ),
     )
 
 
