@@ -181,8 +181,9 @@ def test_streamed_completion_is_the_whole_completion(up):
 def test_stop_string_cuts_the_text(up):
     full = complete(up, PROMPT, temperature=0, max_tokens=16).choices[0].text
     visible = [i for i, ch in enumerate(full) if ch.isprintable() and ch != "\ufffd"]
-    if len(visible) < 4:
-        pytest.skip(f"the tiny model's text is too short to cut: {full!r}")
+    # Greedy on the seeded tiny checkpoint: the text is the same every run, so a text too
+    # short to cut is a change to the model or the decoder, not bad luck.
+    assert len(visible) >= 4, f"the tiny model's text is too short to cut: {full!r}"
     at = visible[len(visible) // 2]
     stop = full[at : at + 2]
     cut = complete(up, PROMPT, temperature=0, max_tokens=16, stop=[stop]).choices[0]
