@@ -339,3 +339,15 @@ def flag_value(argv: tuple[str, ...], flag: str) -> str | None:
         elif arg == flag and i + 1 < len(argv):
             value = argv[i + 1]
     return value
+
+
+def mount_holding(line, path: str) -> tuple[dict, dict]:
+    """(volumeMount, volume) of the single mount holding `path` in `line`'s container."""
+    mounts = [
+        m
+        for m in line.container.get("volumeMounts", [])
+        if path == m["mountPath"] or path.startswith(m["mountPath"].rstrip("/") + "/")
+    ]
+    assert len(mounts) == 1, f"{line.label}: {path} is in {len(mounts)} volume mounts"
+    volumes = {v["name"]: v for v in line.pod.spec.get("volumes", [])}
+    return mounts[0], volumes[mounts[0]["name"]]

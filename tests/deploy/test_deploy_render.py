@@ -16,6 +16,7 @@ from k8s_manifests import (
     geometry_of,
     is_shell,
     kustomizations,
+    mount_holding,
     objects_of,
     parse_pdxfer,
     pod_templates,
@@ -157,25 +158,13 @@ def test_bench_is_an_indexed_job_over_two_nodes():
     assert len(lines) == 2
 
 
-def _mount_of(line, path: str) -> tuple[dict, dict]:
-    """(volumeMount, volume) of the single mount holding `path` in `line`'s container."""
-    mounts = [
-        m
-        for m in line.container.get("volumeMounts", [])
-        if path == m["mountPath"] or path.startswith(m["mountPath"].rstrip("/") + "/")
-    ]
-    assert len(mounts) == 1, f"{line.label}: {path} is in {len(mounts)} volume mounts"
-    volumes = {v["name"]: v for v in line.pod.spec.get("volumes", [])}
-    return mounts[0], volumes[mounts[0]["name"]]
-
-
 def test_every_server_reads_its_model_from_the_read_only_volume(objects):
     for line in command_lines(objects):
         if line.argv[:2] != ("pdxfer", "serve"):
             continue
         args = parse_pdxfer(line.argv)
         assert args.model.startswith(MODELS + "/"), f"{line.label}: --model {args.model}"
-        mount, volume = _mount_of(line, args.model)
+        mount, volume = mount_holding(line, args.model)
         assert mount["mountPath"] == MODELS and mount.get("readOnly") is True, line.label
         claim = volume["persistentVolumeClaim"]
         assert claim == {"claimName": MODELS_CLAIM, "readOnly": True}, line.label
@@ -204,7 +193,7 @@ def test_model_fill_writes_the_checkpoint_the_workers_read():
     served = objects_of(rendered("base"), "ConfigMap")["pdxfer-config"]["data"]["MODEL"]
     assert env["MODEL"] == served, "model-fill fills another directory than --model reads"
     assert "MODEL_SOURCE" in env and "huggingface" not in env["MODEL_SOURCE"]
-    mount, volume = _mount_of(line, env["MODEL"])
+    mount, volume = mount_holding(line, env["MODEL"])
     assert mount["mountPath"] == MODELS and not mount.get("readOnly")
     assert volume["persistentVolumeClaim"]["claimName"] == MODELS_CLAIM
 
@@ -215,7 +204,7 @@ def test_router_api_key_comes_from_its_own_secret(objects):
             continue
         args = parse_pdxfer(line.argv)
         assert args.api_key_file, f"{line.label}: no --api-key-file"
-        mount, volume = _mount_of(line, args.api_key_file)
+        mount, volume = mount_holding(line, args.api_key_file)
         secret = volume["secret"]
         assert secret["secretName"] == API_KEY_SECRET != SECRET, line.label
         assert mount["readOnly"] is True, line.label
@@ -267,6 +256,6 @@ def test_smoke_job_calls_the_routers_http_service():
     ]
     ports = container_ports(router[0].container)
     assert ports[port["targetPort"]] == router[1].http_port
-    key_mount, key_volume = _mount_of(line, env["PDXFER_API_KEY_FILE"])
+    key_mount, key_volume = mount_holding(line, env["PDXFER_API_KEY_FILE"])
     assert key_volume["secret"]["secretName"] == API_KEY_SECRET
     assert key_mount["readOnly"] is True

@@ -17,6 +17,7 @@ from k8s_manifests import (
     flag_value,
     geometry_of,
     is_vllm,
+    mount_holding,
     objects_of,
     parse_pdxfer,
     rendered,
@@ -53,17 +54,6 @@ def _kv_transfer_config(line: CommandLine) -> dict:
         raise AssertionError(f"{line.label}: --kv-transfer-config is not JSON: {exc}") from exc
 
 
-def _mount_holding(line: CommandLine, path: str) -> tuple[dict, dict]:
-    mounts = [
-        m
-        for m in line.container.get("volumeMounts", [])
-        if path == m["mountPath"] or path.startswith(m["mountPath"].rstrip("/") + "/")
-    ]
-    assert len(mounts) == 1, f"{line.label}: {path} is in {len(mounts)} volume mounts"
-    volumes = {v["name"]: v for v in line.pod.spec.get("volumes", [])}
-    return mounts[0], volumes[mounts[0]["name"]]
-
-
 @pytest.mark.parametrize("name", VLLM_OVERLAYS)
 def test_every_vllm_container_loads_pdxfer_connector(name):
     roles = set()
@@ -78,7 +68,7 @@ def test_every_vllm_container_loads_pdxfer_connector(name):
         # finds it; the token file lies in the read-only mount of the Secret.
         assert isinstance(extra["control_port"], int), line.label
         assert extra["control_port"] in container_ports(line.container), line.label
-        mount, volume = _mount_holding(line, extra["auth_token_file"])
+        mount, volume = mount_holding(line, extra["auth_token_file"])
         assert mount.get("readOnly") is True and volume["secret"]["secretName"] == SECRET
         relative = extra["auth_token_file"][len(mount["mountPath"].rstrip("/")) + 1 :]
         assert relative in [item["path"] for item in volume["secret"]["items"]], line.label
@@ -93,7 +83,7 @@ def test_vllm_reads_the_model_from_the_read_only_volume(name):
         if model is None:  # `vllm serve MODEL`: the positional after `serve`
             model = line.argv[2]
         assert model.startswith(MODELS + "/"), f"{line.label}: model {model}"
-        mount, volume = _mount_holding(line, model)
+        mount, volume = mount_holding(line, model)
         assert mount["mountPath"] == MODELS and mount.get("readOnly") is True, line.label
         assert volume["persistentVolumeClaim"] == {
             "claimName": "pdxfer-models",

@@ -19,7 +19,8 @@ MIN_MARGIN = 1e-3
 
 # (arch, prefill TP, decode TP): every pair on a model whose KV heads split at TP 2 and on
 # one whose single KV head is replicated, one pair each for the other two Qwen kinds, and
-# every pair for Kimi-Linear (its MLA latent replicated on every rank) and Nemotron-H.
+# every pair for Kimi-Linear (its MLA latent replicated on every rank), Nemotron-H and
+# Nemotron-H with MoE blocks (M, E, *, -; experts and the shared expert split over ranks).
 CASES = [
     ("qwen3_next_moe", 1, 1),
     ("qwen3_next_moe", 2, 1),
@@ -37,6 +38,10 @@ CASES = [
     ("nemotron_h", 2, 1),
     ("nemotron_h", 1, 2),
     ("nemotron_h", 2, 2),
+    ("nemotron_h_moe", 1, 1),
+    ("nemotron_h_moe", 2, 1),
+    ("nemotron_h_moe", 1, 2),
+    ("nemotron_h_moe", 2, 2),
 ]
 
 
@@ -88,6 +93,7 @@ def test_tokens_equal_transformers(checkpoints, arch, prefill_tp, decode_tp):
     rows = report["per_request"]
     assert [row["index"] for row in rows] == [0, 1]
     assert [row["output_token_ids"] for row in rows] == expected
+    assert all(len(set(tokens)) > 1 for tokens in expected)  # a degenerate model hides bugs
     assert report["verified"] == 2  # caches bit-exact after the transfer, tokens vs TP=1
     assert "text" not in rows[0]  # no tokenizer.json in these checkpoints
 

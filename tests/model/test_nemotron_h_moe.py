@@ -1,7 +1,7 @@
 """Nemotron-H with MoE (`E`) blocks against transformers' NemotronHForCausalLM: the router's
 group-limited sigmoid top-k on random inputs, the whole forward with M, E, *, - blocks, and
 the hub's config forms. Greedy tokens across P/D at every TP pair:
-tests/integration/test_launch_nemotron_moe.py."""
+tests/integration/test_launch_checkpoints.py."""
 
 from __future__ import annotations
 
