@@ -1,0 +1,62 @@
+"""What crosses between the connector's two halves inside vLLM.
+
+- Worker -> scheduler, once at start-up (vLLM's `get_handshake_metadata` /
+  `set_xfer_handshake_metadata`): each TP rank's `RankHandshake`, which the scheduler half's
+  gRPC TransferService answers Handshake with.
+- Scheduler -> workers, every step (`build_connector_meta` / `bind_connector_metadata`):
+  `StepMetadata`, the loads to start on decode and the releases to report on prefill.
+
+Plain, picklable dataclasses: vLLM pickles them between its processes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+)
+
+from transfer.vllm.ticket import Ticket
+
+
+@dataclass(frozen=True)
+class RankHandshake(KVConnectorHandshakeMetadata):
+    """One TP rank's registration: what a peer needs to read its memory.
+
+    layout: the rank's `Layout.to_dict()`, offsets over the registered regions.
+    agent_metadata: the transport's opaque metadata (`Transport.register`).
+    """
+
+    tp_rank: int
+    tp_size: int
+    layout: dict
+    agent_metadata: bytes
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """One request decode pulls: the prefill ticket and where its cache lands locally.
+
+    block_ids: per vLLM KV-cache group, this side's block ids, as allocated.
+    num_tokens: tokens whose cache crosses (the prompt minus its last token).
+    """
+
+    request_id: str
+    ticket: Ticket
+    block_ids: tuple[tuple[int, ...], ...]
+    num_tokens: int
+
+
+@dataclass
+class StepMetadata(KVConnectorMetadata):
+    """One scheduler step's orders to every worker.
+
+    loads: requests whose reads start now (decode).
+    released: request ids whose prefill blocks decode released or whose lease lapsed; each
+        worker reports them back as finished sending, and vLLM then frees the blocks.
+    """
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    released: list[str] = field(default_factory=list)
