@@ -2,8 +2,10 @@
 
 It turns a request into token ids, streams `Engine.generate`'s tokens back as OpenAI
 completions or chat completions (SSE when `stream`), and stops early on a stop string or
-EOS. A client that disconnects closes the token stream, which cancels the request on the
-workers (the router aborts what it started).
+EOS. A client that disconnects, streaming or not, closes the token stream, which cancels
+the request on the workers (the router aborts what it started). A stream is answered only
+once its request is admitted, so a refusal is a 429, not a stream that ends in an error.
+Text is length-checked before it is tokenized, and tokenized off the event loop.
 """
 
 from __future__ import annotations
@@ -11,31 +13,25 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
-import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from transfer.serving.openai.errors import api_error_of
 from transfer.serving.openai.metrics import HttpMetrics
 from transfer.serving.openai.schema import ApiError, Sampling, bad, parse_chat, parse_completion
+from transfer.serving.openai.streams import (
+    Engine,
+    admitted_stream,
+    engine_tokens,
+    unless_disconnected,
+)
 from transfer.serving.openai.text import StreamingText, TextCodec
-
-
-class Engine(Protocol):
-    """What serves the tokens: the router over prefill and decode instances."""
-
-    def generate(self, request_id: str, prompt_ids: list[int], sampling: Sampling) -> Iterator:
-        """Yields events with `.token`, `.logprob` (or None) and `.finished`."""
-
-    def is_ready(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -56,44 +52,6 @@ class Outcome:
     cached_tokens: int = 0  # prompt tokens the prefill side found in its prefix cache
 
 
-_DONE = object()
-
-
-async def _tokens(engine: Engine, request_id, ids, sampling) -> AsyncIterator:
-    """The engine's blocking token stream, consumed on a thread; closing this async
-    iterator (client gone) closes the engine's stream after its next event."""
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue = asyncio.Queue()
-    cancelled = threading.Event()
-
-    def pump() -> None:
-        stream = engine.generate(request_id, ids, sampling)
-        try:
-            for event in stream:
-                loop.call_soon_threadsafe(queue.put_nowait, event)
-                if cancelled.is_set():
-                    break
-        except BaseException as exc:  # noqa: BLE001 (handed to the event loop)
-            loop.call_soon_threadsafe(queue.put_nowait, exc)
-        finally:
-            close = getattr(stream, "close", None)
-            if close is not None:
-                close()
-            loop.call_soon_threadsafe(queue.put_nowait, _DONE)
-
-    threading.Thread(target=pump, name=f"http-{request_id}", daemon=True).start()
-    try:
-        while True:
-            item = await queue.get()
-            if item is _DONE:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-    finally:
-        cancelled.set()
-
-
 class Handler:
     """Per-request work shared by both endpoints."""
 
@@ -102,22 +60,56 @@ class Handler:
         self.model = model
         self.metrics = metrics
 
-    def encode(self, prompt: str | tuple[int, ...], param: str) -> list[int]:
+    def check_chars(self, chars: int, sampling: Sampling, param: str) -> None:
+        """Refuse a text that cannot fit the context whatever it tokenizes to, before
+        tokenizing it: no token spells more than `codec.max_token_chars` characters."""
+        codec = self.model.codec
+        room = self.model.max_model_len - sampling.max_tokens
+        if codec is not None and chars > room * codec.max_token_chars:
+            raise ApiError(
+                400,
+                f"{param}: {chars} characters are more than {room} tokens can spell (the "
+                f"model's context of {self.model.max_model_len} tokens less max_tokens "
+                f"{sampling.max_tokens}; a token here spells at most {codec.max_token_chars})",
+                param=param,
+                code="context_length_exceeded",
+            )
+
+    async def encode(self, prompt: str | tuple[int, ...], sampling: Sampling, param: str):
+        """Token ids of a prompt; text is length-checked, then tokenized on a worker
+        thread so that a large one does not stall the event loop (other streams, /health)."""
         if isinstance(prompt, tuple):
             ids = list(prompt)
         elif self.model.codec is None:
             raise bad(param, "this model has no tokenizer: send token ids")
         else:
-            ids = self.model.codec.encode(prompt)
+            self.check_chars(len(prompt), sampling, param)
+            ids = await asyncio.to_thread(self.model.codec.encode, prompt)
         if not ids:
             raise bad(param, "is empty")
+        self.check_length(ids, sampling, param)
+        return ids
+
+    async def encode_chat(self, messages: list[dict], sampling: Sampling) -> list[int]:
+        codec = self.model.codec
+        if codec is None:
+            raise bad("messages", "this model has no tokenizer; use /v1/completions with ids")
+        contents = [m.get("content") for m in messages]
+        self.check_chars(sum(len(c) for c in contents if isinstance(c, str)), sampling, "messages")
+        try:
+            ids = await asyncio.to_thread(codec.encode_chat, messages)
+        except ValueError as exc:
+            raise bad("messages", str(exc).removeprefix("messages: ")) from None
+        self.check_length(ids, sampling, "messages")
         return ids
 
     def token_text(self, token: int) -> str:
-        """A token as the tokenizer spells it (its id when there is no tokenizer)."""
+        """A token as the tokenizer spells it; one it has no entry for (the model's
+        vocabulary can be larger than the tokenizer's), or any token when there is no
+        tokenizer, as "token_id:N", vLLM's spelling of a token by its id."""
         codec = self.model.codec
         text = codec.tokenizer.id_to_token(token) if codec is not None else None
-        return text if text is not None else str(token)
+        return text if text is not None else f"token_id:{token}"
 
     def check_length(self, ids: list[int], sampling: Sampling, param: str) -> None:
         limit = self.model.max_model_len
@@ -130,13 +122,20 @@ class Handler:
                 code="context_length_exceeded",
             )
 
-    async def run(self, ids: list[int], sampling: Sampling, emit: Callable | None) -> Outcome:
-        """Generate; `emit(text, token, logprob)` is awaited for each streamed delta."""
+    async def run(
+        self,
+        ids: list[int],
+        sampling: Sampling,
+        emit: Callable | None,
+        admit: Callable[[], None] | None = None,
+    ) -> Outcome:
+        """Generate; `emit(text, token, logprob)` is awaited for each streamed delta, and
+        `admit()` called at the first token event (the workers took the request)."""
         request_id = uuid.uuid4().hex
         text = StreamingText(self.model.codec, sampling.stop) if self.model.codec else None
         out = Outcome([], "", [], "length")
         start = last = time.perf_counter()
-        stream = _tokens(self.engine, request_id, ids, sampling)
+        stream = engine_tokens(self.engine, request_id, ids, sampling)
         try:
             async for event in stream:
                 now = time.perf_counter()
@@ -145,6 +144,8 @@ class Handler:
                 else:
                     self.metrics.ttft.observe(now - start)
                     out.cached_tokens = getattr(event, "cached_prompt_tokens", 0)
+                    if admit is not None:
+                        admit()
                 last = now
                 if event.token in self.model.eos_token_ids:
                     out.finish_reason = "stop"
@@ -173,11 +174,6 @@ class Handler:
         return out
 
 
-def _sse(payload: dict | str) -> bytes:
-    data = payload if isinstance(payload, str) else json.dumps(payload)
-    return f"data: {data}\n\n".encode()
-
-
 def _usage(prompt: int, completion: int, cached: int = 0) -> dict:
     return {
         "prompt_tokens": prompt,
@@ -201,6 +197,7 @@ def build_app(
     at /metrics (the router's own series live there too)."""
     registry = registry or CollectorRegistry()
     handler = Handler(engine, model, HttpMetrics(registry))
+    gone = handler.metrics.client_gone.inc
     app = FastAPI(title="pdxfer", docs_url=None, redoc_url=None)
 
     @app.middleware("http")
@@ -274,9 +271,7 @@ def build_app(
     async def completions(request: Request):
         body = parse_completion(await body_of(request), default_max_tokens=model.default_max_tokens)
         check_model(body.model)
-        prompts = [handler.encode(p, "prompt") for p in body.prompts]
-        for ids in prompts:
-            handler.check_length(ids, body.sampling, "prompt")
+        prompts = [await handler.encode(p, body.sampling, "prompt") for p in body.prompts]
         created, cid = int(time.time()), f"cmpl-{uuid.uuid4().hex}"
 
         def chunk(index: int, text: str, finish: str | None, logprob=None, token=None) -> dict:
@@ -291,14 +286,14 @@ def build_app(
 
         if body.stream:
 
-            async def run(put) -> None:
+            async def run(put, admit) -> None:
                 completion_tokens = cached = 0
                 for index, ids in enumerate(prompts):
 
                     async def emit(text, token, logprob, index=index):
                         await put(chunk(index, text, None, logprob, token))
 
-                    out = await handler.run(ids, body.sampling, emit)
+                    out = await handler.run(ids, body.sampling, emit, admit)
                     completion_tokens += len(out.ids)
                     cached += out.cached_tokens
                     await put(chunk(index, "", out.finish_reason))
@@ -307,11 +302,11 @@ def build_app(
                     await put({"id": cid, "object": "text_completion", "created": created,
                                "model": model.name, "choices": [], "usage": usage})  # fmt: skip
 
-            return _stream(run)
+            return await admitted_stream(request, run, gone)
 
         choices, completion_tokens, cached = [], 0, 0
         for index, ids in enumerate(prompts):
-            out = await _guarded(handler.run(ids, body.sampling, None))
+            out = await unless_disconnected(request, handler.run(ids, body.sampling, None), gone)
             completion_tokens += len(out.ids)
             cached += out.cached_tokens
             choice = {"index": index, "text": out.text, "finish_reason": out.finish_reason,
@@ -330,13 +325,7 @@ def build_app(
     async def chat(request: Request):
         body = parse_chat(await body_of(request), default_max_tokens=model.default_max_tokens)
         check_model(body.model)
-        if model.codec is None:
-            raise bad("messages", "this model has no tokenizer; use /v1/completions with ids")
-        try:
-            ids = model.codec.encode(model.codec.render_chat(list(body.messages)))
-        except ValueError as exc:
-            raise bad("messages", str(exc).removeprefix("messages: ")) from None
-        handler.check_length(ids, body.sampling, "messages")
+        ids = await handler.encode_chat(list(body.messages), body.sampling)
         created, cid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
 
         def chunk(delta: dict, finish: str | None, logprob=None, token=None) -> dict:
@@ -350,22 +339,22 @@ def build_app(
 
         if body.stream:
 
-            async def run(put) -> None:
+            async def run(put, admit) -> None:
                 await put(chunk({"role": "assistant", "content": ""}, None))
 
                 async def emit(text, token, logprob):
                     await put(chunk({"content": text}, None, logprob, token))
 
-                out = await handler.run(ids, body.sampling, emit)
+                out = await handler.run(ids, body.sampling, emit, admit)
                 await put(chunk({}, out.finish_reason))
                 if body.include_usage:
                     await put({"id": cid, "object": "chat.completion.chunk", "created": created,
                                "model": model.name, "choices": [],
                                "usage": _usage(len(ids), len(out.ids), out.cached_tokens)})  # fmt: skip
 
-            return _stream(run)
+            return await admitted_stream(request, run, gone)
 
-        out = await _guarded(handler.run(ids, body.sampling, None))
+        out = await unless_disconnected(request, handler.run(ids, body.sampling, None), gone)
         choice = {"index": 0, "message": {"role": "assistant", "content": out.text},
                   "finish_reason": out.finish_reason, "logprobs": None}  # fmt: skip
         if body.sampling.logprobs is not None:
@@ -387,36 +376,3 @@ RETRY_AFTER_S = 1  # what a refused (429) client is told to wait
 def _error_response(exc: ApiError) -> JSONResponse:
     headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.status == 429 else None
     return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
-
-
-def _stream(run: Callable) -> StreamingResponse:
-    """SSE from `run(put)`, which awaits `put(payload)` per chunk. A client that leaves
-    cancels `run`, and with it the request's token stream."""
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def produce() -> None:
-        try:
-            await run(queue.put)
-        except Exception as exc:  # noqa: BLE001 (reported in the stream)
-            await queue.put(api_error_of(exc).body())
-        await queue.put(None)
-
-    async def events():
-        task = asyncio.create_task(produce())
-        try:
-            while (item := await queue.get()) is not None:
-                yield _sse(item)
-            yield _sse("[DONE]")
-        finally:
-            task.cancel()
-
-    return StreamingResponse(events(), media_type="text/event-stream")
-
-
-async def _guarded(work):
-    try:
-        return await work
-    except ApiError:
-        raise
-    except Exception as exc:  # noqa: BLE001 (turned into the OpenAI error shape)
-        raise api_error_of(exc) from exc

@@ -1,8 +1,8 @@
-"""The HTTP front end's latency histograms, on the router's registry."""
+"""The HTTP front end's latency histograms and cancel counter, on the router's registry."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -25,5 +25,10 @@ class HttpMetrics:
             "pdxfer_router_e2e_seconds",
             "Time from an HTTP request to its last token",
             buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.client_gone = Counter(
+            "pdxfer_router_http_client_gone",
+            "HTTP requests cancelled because their client disconnected before the answer",
             registry=registry,
         )

@@ -9,9 +9,11 @@ escape HTML, and `messages`, `add_generation_prompt`, `bos_token`, `eos_token` i
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from functools import cached_property
 from pathlib import Path
 
 import jinja2
@@ -80,6 +82,64 @@ class TextCodec:
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    @cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token spells (a vocabulary entry is at least as long
+        as the text it stands for: byte-level entries are one character per byte)."""
+        return max(map(len, self.tokenizer.get_vocab(with_added_tokens=True)), default=1)
+
+    @cached_property
+    def _specials(self) -> dict[str, int]:
+        decoder = self.tokenizer.get_added_tokens_decoder()
+        return {t.content: i for i, t in decoder.items() if t.special and t.content}
+
+    @cached_property
+    def _plain(self) -> Tokenizer:
+        """A copy that spells special tokens' text as ordinary text (its own instance, as
+        the flag is the tokenizer's, not the call's)."""
+        plain = Tokenizer.from_str(self.tokenizer.to_str())
+        plain.encode_special_tokens = True
+        return plain
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """The rendered chat's ids, with the template's special tokens special and the
+        messages' own text plain: `<|im_end|>` typed by a user is text, not the end of a
+        turn. Without special text in any content this is `encode(render_chat(...))`."""
+        rendered = self.render_chat(messages)
+        contents = [m.get("content") or "" for m in messages]
+        if not any(s in c for c in contents for s in self._specials):
+            return self.encode(rendered)
+        spans, at = [], 0
+        for i, content in enumerate(contents):
+            found = rendered.find(content, at) if content else at
+            if found < 0:
+                if any(s in content for s in self._specials):
+                    raise InvalidInput(
+                        f"messages[{i}].content: holds a special token's text, and the chat "
+                        "template changes the content, so it cannot be kept apart"
+                    )
+                continue
+            spans.append((found, found + len(content)))
+            at = found + len(content)
+        return self._encode_outside(rendered, spans)
+
+    def _encode_outside(self, text: str, spans: list[tuple[int, int]]) -> list[int]:
+        """Split `text` at special tokens outside `spans` only, as the tokenizer splits at
+        every special token, and encode the pieces between as plain text."""
+        pattern = "|".join(map(re.escape, sorted(self._specials, key=len, reverse=True)))
+        ids: list[int] = []
+        piece = 0
+        for match in re.finditer(pattern, text):
+            if any(start <= match.start() < end for start, end in spans):
+                continue
+            if match.start() > piece:
+                ids += self._plain.encode(text[piece : match.start()], add_special_tokens=False).ids
+            ids.append(self._specials[match.group()])
+            piece = match.end()
+        if piece < len(text):
+            ids += self._plain.encode(text[piece:], add_special_tokens=False).ids
+        return ids
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
