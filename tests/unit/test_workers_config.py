@@ -4,10 +4,13 @@ router addresses, and the launch summary."""
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
+import sys
 
 import pytest
 
-from transfer.cli import build_parser
+from transfer.cli import build_parser, main
 from transfer.cli.launch_report import format_table, summarize
 from transfer.cli.launch_run import Outcome
 from transfer.presets import get_preset
@@ -161,6 +164,28 @@ def test_a_non_loopback_server_needs_a_token_or_mtls_unless_insecure():
     check_exposure(serve_args("prefill", "--host", "127.0.0.1"), None, None)
     with pytest.raises(ValueError, match="non-loopback"):  # the data plane counts too
         check_exposure(serve_args("prefill", "--data-host", "0.0.0.0"), None, None)
+
+
+def test_a_non_loopback_http_api_needs_an_api_key_unless_insecure(tmp_path, monkeypatch, capsys):
+    """The HTTP API follows gRPC's rule. Each run below names a model that does not exist:
+    the exposure check must refuse first, before anything is loaded or bound."""
+    monkeypatch.delenv("PDXFER_API_KEY", raising=False)
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "PDXFER_AUTH_TOKEN": "t"}
+    env.pop("PDXFER_API_KEY", None)
+    router = [sys.executable, "-c", "import sys; from transfer.cli import main; sys.exit(main())",
+              "serve", "router", "--host", "0.0.0.0",
+              "--port", "0", "--metrics-port", "0", "--http-port", "0", "--model", "no-such",
+              "--prefill", "127.0.0.1:1", "--decode", "127.0.0.1:2"]  # fmt: skip
+    done = subprocess.run(router, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "--host 0.0.0.0: serving the HTTP API on a non-loopback address" in done.stderr
+    assert main(["up", "--host", "0.0.0.0", "--model", "no-such"]) == 2
+    assert "needs --api-key-file" in capsys.readouterr().err
+    key = tmp_path / "key"
+    key.write_text("k")
+    for extra in (["--insecure"], ["--api-key-file", str(key)]):
+        assert main(["up", "--host", "0.0.0.0", "--model", "no-such", *extra]) == 2
+        assert "HTTP API" not in capsys.readouterr().err  # past the check: the model is refused
 
 
 def test_every_serve_flag_is_a_serve_option():

@@ -27,8 +27,9 @@ def add_security_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--insecure",
         action="store_true",
-        help="serve a non-loopback --host/--data-host without a token or mutual TLS "
-        "(refused otherwise)",
+        help="serve a non-loopback --host/--data-host without a token or mutual TLS, and "
+        "the router's HTTP API without an API key (refused otherwise; /metrics never "
+        "asks for either)",
     )
     group.add_argument(
         "--tls-ca",
@@ -183,7 +184,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "and Prometheus metrics endpoint. Stops cleanly on SIGINT/SIGTERM.",
     )
     parser.add_argument("role", choices=ROLES, help="which worker to run")
-    parser.add_argument("--host", default="127.0.0.1", help="gRPC bind address (default 127.0.0.1)")
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="bind address of the gRPC server, the Prometheus /metrics and the router's HTTP "
+        "API (default 127.0.0.1). Off loopback, gRPC needs a token or mutual TLS and HTTP an "
+        "API key, unless --insecure; /metrics is open to whoever reaches it",
+    )
     parser.add_argument(
         "--port", type=int, default=50051, help="gRPC port (default 50051; 0 = any)"
     )

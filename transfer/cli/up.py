@@ -33,7 +33,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--decode-instances", type=int, default=1, help="(default 1)")
     parser.add_argument("--prefill-tp", type=int, default=1, help="TP of each prefill (default 1)")
     parser.add_argument("--decode-tp", type=int, default=1, help="TP of each decode (default 1)")
-    parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="bind address of every process (default 127.0.0.1): the HTTP API, and each "
+        "instance's gRPC, data plane and /metrics. gRPC gets a fresh token; off loopback the "
+        "HTTP API needs --api-key-file unless --insecure; /metrics is open to whoever "
+        "reaches it",
+    )
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        help="serve the HTTP API on a non-loopback --host without an API key",
+    )
     parser.add_argument(
         "--transport", choices=["nixl", "ucx"], default="nixl", help="data plane (default nixl)"
     )
@@ -64,12 +76,19 @@ def run(args: argparse.Namespace) -> int:
         stop_all,
         wait_ready,
     )
+    from transfer.serving.serve import api_key, check_http_exposure
+    from transfer.serving.serve_options import ServeOptions
 
     for flag in ("prefill_instances", "decode_instances", "prefill_tp", "decode_tp", "max_seqs"):
         if getattr(args, flag) < 1:
             raise InvalidInput(f"--{flag.replace('_', '-')} must be >= 1")
     if looks_like_path(args.model):  # the children resolve it from their own directory
         args.model = str(Path(args.model).resolve())
+    check_http_exposure(
+        args.host,
+        api_key(ServeOptions("router", api_key_file=args.api_key_file)),
+        args.insecure,
+    )
     context = _context_held(args)
     if args.max_model_len is not None:
         context = min(context, args.max_model_len)
@@ -108,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
             "--http-port", str(http_port), "--max-model-len", str(context),
             *(["--served-model-name", args.served_model_name] if args.served_model_name else []),
             *(["--api-key-file", args.api_key_file] if args.api_key_file else []),
+            *(["--insecure"] if args.insecure else []),
             *[f for w in workers for f in (f"--{w.role}", w.address)],
         ]  # fmt: skip
         procs.append(start_serve("router", router_flags, run_dir / "router", env))

@@ -101,6 +101,16 @@ def check_exposure(options: ServeOptions, token: str | None, tls) -> None:
         )
 
 
+def check_http_exposure(host: str, key: str | None, insecure: bool) -> None:
+    """The same rule for the OpenAI HTTP API: off loopback, anyone who reaches the port
+    gets completions, so it needs an API key. ValueError (exit 2) unless `--insecure`."""
+    if not is_loopback(host) and not key and not insecure:
+        raise ValueError(
+            f"--host {host}: serving the HTTP API on a non-loopback address needs "
+            "--api-key-file (or PDXFER_API_KEY); --insecure serves it without"
+        )
+
+
 def advertised_host(host: str) -> str:
     """The host to put in tickets: the bind address, or this machine's address for 0.0.0.0."""
     if host in ("0.0.0.0", "::", ""):
@@ -134,6 +144,8 @@ def serve(options: ServeOptions) -> int:
     token = auth_token(options)
     server_tls, client_tls = tls_configs(options)
     check_exposure(options, token, server_tls)
+    if options.role == "router" and options.http_port is not None:
+        check_http_exposure(options.host, api_key(options), options.insecure)
     if options.role == "router":
         return _serve_router(options, token, server_tls, client_tls, stop)
     return _serve_worker(options, token, server_tls, client_tls, stop)
