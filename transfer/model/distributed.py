@@ -13,6 +13,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from transfer.model.rendezvous import Rendezvous
+
 
 class TPGroup:
     """The ranks of one model instance. `group` is None for the default (world) group."""
@@ -93,7 +95,8 @@ def init_tp_group(
     """Join the TP group of `world_size` processes as `rank` (the default process group).
 
     Give either `init_method` ("tcp://host:port", "file:///path") or `master_port` (with
-    `master_addr`). world_size 1 without either returns `TPGroup.single()`. On CUDA the
+    `master_addr`). A tcp rendezvous listens on `host` only, and on gloo only until the
+    group has formed (`rendezvous.Rendezvous`). world_size 1 without either returns `TPGroup.single()`. On CUDA the
     caller sets the current device before this call; the backend is nccl there, else gloo.
     """
     if world_size < 1:
@@ -112,13 +115,21 @@ def init_tp_group(
         init_method = f"tcp://{master_addr}:{master_port}"
     if dist.is_initialized():
         raise ValueError("torch.distributed is already initialised; use TPGroup.from_group()")
-    dist.init_process_group(
-        backend=default_backend(device),
-        init_method=init_method,
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
+    backend = default_backend(device)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if not init_method.startswith("tcp://"):
+        dist.init_process_group(backend, init_method=init_method, rank=rank,
+                                world_size=world_size, timeout=timeout)  # fmt: skip
+        return TPGroup(rank, world_size, distributed=True)
+    rendezvous = Rendezvous(init_method, rank, world_size, timeout_s)
+    dist.init_process_group(backend, store=rendezvous.store, rank=rank,
+                            world_size=world_size, timeout=timeout)  # fmt: skip
+    if backend == "gloo":
+        # Every rank has joined once this returns; gloo needs no new store connection
+        # after that. nccl may open one later (its communicators start lazily), so its
+        # listener stays, bound to HOST.
+        dist.barrier()
+        rendezvous.stop_listening()
     return TPGroup(rank, world_size, distributed=True)
 
 
