@@ -139,6 +139,12 @@ class WorkerMetrics:
         self.requests_running = Gauge(
             "pdxfer_requests_running", "Requests in the decode batch (or joining it)", registry=r
         )
+        self.ranks_silent = Gauge(
+            "pdxfer_ranks_silent",
+            "TP ranks of this instance that missed their heartbeats (frozen or dying): "
+            "above 0 the instance is degraded",
+            registry=r,
+        )
         self.requests_waiting = Gauge(
             "pdxfer_requests_waiting", "Requests waiting for cache room", registry=r
         )

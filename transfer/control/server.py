@@ -35,6 +35,10 @@ TRANSFER_SERVICE = transfer_pb2.DESCRIPTOR.services_by_name["TransferService"].f
 PREFILL_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name
 DECODE_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name
 ROUTER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["RouterService"].full_name
+# A health-only service name: NOT_SERVING while a TP rank of the instance misses its
+# heartbeats. The server ("") stays SERVING then: a slow rank is not a dead one, but a
+# router or probe can see it and steer around the instance.
+RANKS_HEALTH = "pdxfer.ranks"
 
 
 @dataclass
@@ -67,6 +71,11 @@ class ControlServer:
             self._draining.clear()
         else:
             self._draining.set()
+
+    def set_ranks_beating(self, beating: bool) -> None:
+        """Say under RANKS_HEALTH whether every TP rank still beats."""
+        status = health_pb2.HealthCheckResponse
+        self._health.set(RANKS_HEALTH, status.SERVING if beating else status.NOT_SERVING)
 
     def stop(self, grace: float | None = 1.0) -> None:
         """Stop accepting calls, let running ones finish for `grace` seconds, then wait for shutdown."""

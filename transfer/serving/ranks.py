@@ -210,6 +210,7 @@ class RankGroup:
         self.procs: list[subprocess.Popen] = []
         self._beats = tempfile.mkdtemp(prefix="pdxfer-beats-")
         self._beat_paths: list[str] = []
+        self._ranks: list[int] = []  # the rank of each process in `procs`
         self.ready: list[Any] | None = None
         try:
             for spec in specs:
@@ -236,6 +237,7 @@ class RankGroup:
         self.procs.append(proc)
         beat = os.path.join(self._beats, f"rank{spec.rank}")
         self._beat_paths.append(beat)
+        self._ranks.append(spec.rank)
         launch = RankLaunch(spec, build, dist_init, os.getpid(), fds[0] if fds else None, beat)
         try:
             pickle.dump(launch, proc.stdin, protocol=pickle.HIGHEST_PROTOCOL)
@@ -249,14 +251,20 @@ class RankGroup:
     def beating(self) -> bool:
         """Whether every rank process here touched its heartbeat file lately (a frozen or
         dead one has not)."""
+        return not self.silent_ranks()
+
+    def silent_ranks(self) -> list[int]:
+        """The ranks here that have not touched their heartbeat file within
+        HEARTBEAT_WINDOW_S (frozen, or dead)."""
         now = time.time()
-        for proc, path in zip(self.procs, self._beat_paths, strict=True):
+        silent = []
+        for spec_rank, proc, path in zip(self._ranks, self.procs, self._beat_paths, strict=True):
             try:
                 if now - os.stat(path).st_mtime > HEARTBEAT_WINDOW_S or proc.poll() is not None:
-                    return False
+                    silent.append(spec_rank)
             except OSError:
-                return False
-        return True
+                silent.append(spec_rank)
+        return silent
 
     @property
     def alive(self) -> bool:

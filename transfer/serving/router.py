@@ -25,6 +25,7 @@ from prometheus_client import CollectorRegistry, Counter
 from transfer.cache.prefix_cache import block_hashes
 from transfer.control.client import ClientOptions, DecodeClient, PrefillClient, TransferClient
 from transfer.control.errors import ControlError
+from transfer.control.server import RANKS_HEALTH
 from transfer.control.types import (
     DecodeRequest,
     GenerateRequest,
@@ -229,6 +230,19 @@ class Router:
     def is_ready(self) -> bool:
         """Whether at least one prefill and one decode instance answer health SERVING."""
         return all(_any_serving(pool) for pool in self._health)
+
+    def degraded(self) -> list[str]:
+        """The instances ("prefill HOST:PORT", "decode HOST:PORT") that say a TP rank of
+        theirs misses its heartbeats: still serving, but stalled while it lasts."""
+        found = []
+        for role, pool in zip(("prefill", "decode"), self._health, strict=True):
+            for target, client in pool.order():
+                try:
+                    if client.health(RANKS_HEALTH) == "NOT_SERVING":
+                        found.append(f"{role} {target}")
+                except ControlError:
+                    continue  # unreachable, or a server without the status: not this check's
+        return sorted(found)
 
     def _run_prefill(self, request: GenerateRequest):
         prefill = PrefillRequest(

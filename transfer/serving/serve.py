@@ -306,6 +306,7 @@ def _serve_worker(
         state_slots_free=lambda: instance.pools.slots.num_free,
         state_slots_total=lambda: instance.pools.slots.num_total,
     )
+    metrics.ranks_silent.set_function(lambda: len(instance.ranks.silent_ranks()))
     # Tickets and handshakes name this instance by its address, so pick the port first.
     port = options.port or free_port(options.host)
     address = join_address(advertised_host(options.host), port)
@@ -354,6 +355,20 @@ def _serve_worker(
     return _wait(stop, instance, server, closers)
 
 
+def _report_silent(silent: list[int], before: list[int] | None, server) -> list[int]:
+    """Log and publish (gRPC health RANKS_HEALTH) a change in the ranks missing their
+    heartbeats. Slow is not dead: the instance keeps serving and waiting on them."""
+    if silent != before:
+        if silent:
+            logger.warning("TP rank(s) %s missed their heartbeats: degraded (still serving)",
+                           silent)  # fmt: skip
+        elif before:
+            logger.info("every TP rank beats again")
+        if server is not None:
+            server.set_ranks_beating(not silent)
+    return silent
+
+
 def _serve_follower(
     options: ServeOptions, config, instance, token, server_tls, stop: threading.Event
 ) -> int:
@@ -379,12 +394,14 @@ def _serve_follower(
 
 def _wait(stop: threading.Event, instance, server, closers) -> int:
     code = 0
+    silent: list[int] | None = None  # None: not published yet
     try:
         while not stop.wait(1.0):
             if not instance.ranks.alive:
                 logger.error("a TP rank process died; stopping")
                 code = 1
                 break
+            silent = _report_silent(instance.ranks.silent_ranks(), silent, server)
     finally:
         began = time.monotonic()
         if server is not None:

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -254,8 +254,15 @@ def build_app(
 
     @app.get("/health")
     async def health():
-        ready = await asyncio.to_thread(engine.is_ready)
-        return Response(status_code=200 if ready else 503)
+        """503 when no prefill or no decode instance serves; 200 otherwise, with
+        "degraded" naming instances that serve but have a TP rank missing heartbeats."""
+        if not await asyncio.to_thread(engine.is_ready):
+            return JSONResponse({"status": "unavailable"}, status_code=503)
+        degraded = getattr(engine, "degraded", None)
+        stalled = await asyncio.to_thread(degraded) if degraded is not None else []
+        if stalled:
+            return {"status": "degraded", "degraded": stalled}
+        return {"status": "ok"}
 
     @app.get("/metrics")
     async def metrics():

@@ -28,3 +28,6 @@ class RouterEngine:
 
     def is_ready(self) -> bool:
         return self.router.is_ready()
+
+    def degraded(self) -> list[str]:
+        return self.router.degraded()

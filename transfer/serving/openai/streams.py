@@ -31,6 +31,9 @@ class Engine(Protocol):
 
     def is_ready(self) -> bool: ...
 
+    # Optional: `degraded() -> list[str]`, the instances serving but stalled (a TP rank
+    # misses its heartbeats), which /health reports.
+
 
 _DONE = object()
 
