@@ -93,3 +93,14 @@ def test_a_caller_that_stops_reading_counts_as_ok(router, monkeypatch):
     assert next(stream).token == 10
     stream.close()
     assert _count(router, "ok") == 1 and _count(router, "failed") == 0
+
+
+def test_a_refusal_before_the_first_token_is_raised_at_once_not_retried(router, monkeypatch):
+    # The HTTP front end answers 429 before a stream starts only if the refusal comes
+    # out of the first read, not after a retry has started the request elsewhere.
+    calls = _inject(router, monkeypatch, [ControlError("RESOURCE_EXHAUSTED", "full"), _events(1)])
+    stream = router.generate(REQUEST)
+    with pytest.raises(ControlError, match="RESOURCE_EXHAUSTED"):
+        next(stream)
+    assert len(calls) == 1
+    assert _count(router, "failed") == 1
