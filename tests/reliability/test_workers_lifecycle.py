@@ -65,8 +65,9 @@ def start_prefill(dump_dir: Path, name: str) -> Side:
 def config(role: str, dump_dir: Path) -> InstanceConfig:
     geometry = get_preset(MODEL)
     return InstanceConfig(
-        role, geometry, tp=1, budget_bytes=16 << 20, max_seqs=3, dump_dir=str(dump_dir)
-    )
+        role, geometry, tp=1, budget_bytes=16 << 20, max_seqs=3, dump_dir=str(dump_dir),
+        prefix_cache=False, staging_bytes=0,
+    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,11 @@ def test_every_tp_plans_the_same_block_size(model):
     """A prefill and a decode instance of any TP can hand over: same block size."""
     geometry = get_preset(model)
     plans = [
-        plan_for(InstanceConfig(role, geometry, tp, budget_bytes=64 << 20, max_seqs=4))
+        plan_for(
+            InstanceConfig(
+                role, geometry, tp, budget_bytes=64 << 20, max_seqs=4, prefix_cache=False
+            )
+        )
         for role in ("prefill", "decode")
         for tp in geometry.valid_tps()
     ]

@@ -26,15 +26,16 @@ from transfer.geometry import ModelGeometry
 from transfer.memplan import MemoryPlan, PagePolicy, plan_memory
 from transfer.serving.admission import Admission
 from transfer.serving.checkpoints import (
-    DEFAULT_STATE_CHECKPOINTS,
     SCAN_CHUNK_ALIGN,
     checkpoint_alignment,
 )
 from transfer.serving.commands import Info
-from transfer.serving.progress import DEFAULT_STREAM_LAYERS, TRANSFER_MODES
+from transfer.serving.progress import TRANSFER_MODES
 from transfer.serving.ranks import RankGroup
+from transfer.serving.serve_options import serve_default
 from transfer.serving.spec import STAGING_RESERVED_BYTES, RankSpec
 from transfer.sizing import CacheDtypes
+from transfer.units import parse_size
 
 logger = logging.getLogger(__name__)
 
@@ -45,30 +46,40 @@ BUILD_RANK_WORKER = "transfer.serving.rank_worker:build_rank_worker"
 class InstanceConfig:
     role: str  # "prefill" | "decode"
     geometry: ModelGeometry
-    tp: int = 1
-    transport: str = "nixl"
-    device: str = "cpu"
-    budget_bytes: int = 256 << 20
-    max_seqs: int = 16
-    max_queue: int = 32  # requests waiting for room beyond max_seqs
-    min_block_size: int = 16
-    seed: int = 0
+    tp: int = serve_default("tp")
+    transport: str = serve_default("transport")
+    device: str = serve_default("device")
+    budget_bytes: int = parse_size(serve_default("gpu_mem"), "gpu_mem")
+    max_seqs: int = serve_default("max_seqs")
+    max_queue: int = serve_default("max_queue")  # requests waiting for room beyond max_seqs
+    min_block_size: int = serve_default("block_size")
+    seed: int = serve_default("seed")
     dump_dir: str | None = None
-    nnodes: int = 1
-    node_rank: int = 0
+    nnodes: int = serve_default("nnodes")
+    node_rank: int = serve_default("node_rank")
     dist_addr: str | None = None
     net_device: str | None = None  # UCX_NET_DEVICES for the data plane
     agent_prefix: str = ""
     model: str = ""  # a preset name or a checkpoint directory; "" = geometry.name
-    ssm_dtype: str = "auto"  # the recurrent state's dtype; auto = the config's, else the model's
-    max_num_batched_tokens: int = 2048  # prompt tokens per prefill step (longer ones chunk)
-    staging_bytes: int = 0  # per rank, for staged transfers (0: every READ is direct)
-    staging_min_ranges: int = 8  # stage a source's small ranges once it has this many
-    prefix_cache: bool = False  # keep full KV blocks by hash (docs/prefix-cache.md)
-    state_checkpoints: int = DEFAULT_STATE_CHECKPOINTS  # prefill with a prefix cache
-    checkpoint_interval: int = 0  # also checkpoint every this many prompt tokens (0: ends only)
-    transfer_mode: str = "whole"  # or "layerwise" (docs/streaming.md)
-    stream_layers: int = DEFAULT_STREAM_LAYERS  # layers per streaming group (layerwise)
+    ssm_dtype: str = serve_default(
+        "ssm_dtype"
+    )  # the recurrent state's dtype; auto = the config's, else the model's
+    max_num_batched_tokens: int = serve_default(
+        "max_num_batched_tokens"
+    )  # prompt tokens per prefill step (longer ones chunk)
+    staging_bytes: int = serve_default("staging_mib") << 20  # per rank (0: every READ is direct)
+    staging_min_ranges: int = serve_default(
+        "staging_min_ranges"
+    )  # stage a source's small ranges once it has this many
+    prefix_cache: bool = serve_default(
+        "prefix_cache"
+    )  # keep full KV blocks by hash (docs/prefix-cache.md)
+    state_checkpoints: int = serve_default("state_checkpoints")  # prefill with a prefix cache
+    checkpoint_interval: int = serve_default(
+        "checkpoint_interval"
+    )  # also checkpoint every this many prompt tokens (0: ends only)
+    transfer_mode: str = serve_default("transfer_mode")  # or "layerwise" (docs/streaming.md)
+    stream_layers: int = serve_default("stream_layers")  # layers per streaming group (layerwise)
     stream_scribble_s: float = 0.0  # tests only: see ProgressWriter
 
     def __post_init__(self) -> None:

@@ -1,7 +1,9 @@
 """What `pdxfer serve` was asked to run: one typed value, built by the CLI from its flags.
 
 Field names are the flags' (`--max-num-seqs` is `max_seqs`); `serve` and its helpers read
-nothing else, so library code never sees argparse.
+nothing else, so library code never sees argparse. This class is the one place a serve
+setting's default is written: argparse (serve, up, launch, bench serve), `LaunchConfig`,
+`LocalPairConfig` and `InstanceConfig` read theirs through `serve_default`.
 """
 
 from __future__ import annotations
@@ -71,3 +73,36 @@ class ServeOptions:
             if name in picked:
                 picked[name] = tuple(picked[name] or ())
         return cls(**picked)
+
+
+_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(ServeOptions)}
+
+
+def serve_default(name: str) -> Any:
+    """The default of serve's flag for the `ServeOptions` field `name` (KeyError if none)."""
+    return _DEFAULTS[name]
+
+
+def serve_flags(values: Mapping[str, Any]) -> list[str]:
+    """`pdxfer serve` arguments that set the `ServeOptions` fields in `values` (the inverse
+    of `from_values`): `--name value`, a tuple's items repeated, a bool as `--name` or, where
+    its default is on, `--no-name`; None is left to the default."""
+    flags: list[str] = []
+    for name, value in values.items():
+        flag = "--" + name.replace("_", "-")
+        if name not in _DEFAULTS:
+            raise KeyError(f"{name}: not a serve option")
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            if value:
+                flags.append(flag)
+            elif _DEFAULTS[name]:
+                flags.append("--no-" + flag[2:])
+        elif isinstance(value, tuple | list):
+            flags += [part for item in value for part in (flag, str(item))]
+        elif name == "metrics_port" and value == ANY_PORT:
+            flags += [flag, "any"]
+        else:
+            flags += [flag, str(value)]
+    return flags
