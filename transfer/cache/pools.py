@@ -323,27 +323,6 @@ class CachePools:
             self._requests[request_id] = cache
             return cache
 
-    def extend(self, request_id: Hashable, num_tokens: int) -> RequestCache:
-        """Grow a request to `num_tokens` (decode), allocating the extra blocks atomically."""
-        with self._lock:
-            cache = self._get(request_id)
-            if num_tokens < cache.num_tokens:
-                raise InvalidInput(
-                    f"num_tokens {num_tokens} is below the request's {cache.num_tokens}"
-                )
-            extra = self.blocks_for(num_tokens) - len(cache.block_ids)
-            if not self.blocks.can_allocate(extra):
-                raise CacheFullError(
-                    f"request {request_id!r}: growing to {num_tokens} tokens needs {extra} more "
-                    f"blocks, {self.blocks.num_free} of {self.blocks.num_total} free"
-                )
-            new = self.blocks.allocate(extra, request_id) if extra else []
-            cache = RequestCache(
-                request_id, num_tokens, cache.block_ids + tuple(new), cache.slot_ids
-            )
-            self._requests[request_id] = cache
-            return cache
-
     def free(self, request_id: Hashable) -> RequestCache:
         with self._lock:
             cache = self._get(request_id)

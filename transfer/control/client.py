@@ -187,7 +187,7 @@ class PrefillClient(_Client):
 
 class DecodeClient(_Client):
     """A decode instance's DecodeService. Every `decode` shares one DecodeMany call
-    (`transfer.control.decode_mux`); `decode_alone` is a Decode call of its own."""
+    (`transfer.control.decode_mux`)."""
 
     def __init__(self, address: str, **kwargs):
         super().__init__(address, **kwargs)
@@ -202,12 +202,6 @@ class DecodeClient(_Client):
     def decode(self, request: DecodeRequest) -> Iterator[TokenEvent]:
         """The request's token stream, over the shared DecodeMany call."""
         return self._mux.decode(request)
-
-    def decode_alone(self, request: DecodeRequest) -> Iterator[TokenEvent]:
-        """The request's token stream, over a Decode call of its own."""
-        return self._stream(
-            self._stub.Decode, convert.decode_request_to_pb(request), convert.token_event_from_pb
-        )
 
     def close(self) -> None:
         self._mux.close()
