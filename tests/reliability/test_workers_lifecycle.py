@@ -26,6 +26,7 @@ from transfer.errors import PeerUnavailable, TransferFailed
 from transfer.model.caches import LocalCaches
 from transfer.model.reference import reference_generate
 from transfer.model.runner import RankEngine
+from transfer.model.slots import CacheFillingError
 from transfer.net import free_port
 from transfer.presets import get_preset
 from transfer.serving.commands import (
@@ -238,7 +239,7 @@ def test_no_step_touches_a_slot_while_a_transfer_fills_it(cluster, spare):
             assert ranks.call(TransferPoll("bug6"))[0].state is TransferState.PENDING
             with pytest.raises(RankCommandError) as refused:
                 ranks.call(DecodeStep(ticket.first_token, len(ids), blocks, slot))
-            assert refused.value.kind == "CacheFillingError"
+            assert refused.value.kind is CacheFillingError
             rest = [event.token for event in other]  # the other request is not held up
             assert len(rest) == MAX_TOKENS - 1
             assert ranks.call(TransferPoll("bug6"))[0].state is TransferState.PENDING
@@ -303,7 +304,7 @@ def test_an_unfinished_transfer_never_becomes_readable(cluster, spare):
         assert ranks.call(TransferEnd("cancelled")) == [False]  # still in flight
         with pytest.raises(RankCommandError) as filling:
             ranks.call(DecodeStep(ticket.first_token, len(ids), blocks, slot))
-        assert filling.value.kind == "CacheFillingError"
+        assert filling.value.kind is CacheFillingError
     finally:
         os.kill(rank, signal.SIGCONT)
     deadline = time.monotonic() + 30

@@ -7,10 +7,11 @@ import os
 
 from transfer.cli.model_args import add_served_model_arguments
 from transfer.serving.progress import TRANSFER_MODES
+from transfer.serving.role import ServeRole
 from transfer.serving.serve_options import ANY_PORT
 from transfer.serving.serve_options import serve_default as _D
 
-ROLES = ("prefill", "decode", "router")
+ROLES = tuple(ServeRole)
 
 
 def add_security_arguments(parser: argparse.ArgumentParser) -> None:

@@ -30,9 +30,10 @@ from transfer.serving.checkpoints import (
     checkpoint_alignment,
 )
 from transfer.serving.commands import Info
-from transfer.serving.progress import TRANSFER_MODES
+from transfer.serving.progress import TransferMode
 from transfer.serving.ranks import RankGroup
-from transfer.serving.serve_options import serve_default
+from transfer.serving.role import INSTANCE_ROLES, ServeRole
+from transfer.serving.serve_options import as_enum, serve_default
 from transfer.serving.spec import STAGING_RESERVED_BYTES, RankSpec
 from transfer.sizing import CacheDtypes
 from transfer.units import parse_size
@@ -44,7 +45,7 @@ BUILD_RANK_WORKER = "transfer.serving.rank_worker:build_rank_worker"
 
 @dataclass(frozen=True)
 class InstanceConfig:
-    role: str  # "prefill" | "decode"
+    role: ServeRole  # PREFILL or DECODE
     geometry: ModelGeometry
     tp: int = serve_default("tp")
     transport: str = serve_default("transport")
@@ -78,13 +79,17 @@ class InstanceConfig:
     checkpoint_interval: int = serve_default(
         "checkpoint_interval"
     )  # also checkpoint every this many prompt tokens (0: ends only)
-    transfer_mode: str = serve_default("transfer_mode")  # or "layerwise" (docs/streaming.md)
+    transfer_mode: TransferMode = serve_default("transfer_mode")  # docs/streaming.md
     stream_layers: int = serve_default("stream_layers")  # layers per streaming group (layerwise)
     stream_scribble_s: float = 0.0  # tests only: see ProgressWriter
 
     def __post_init__(self) -> None:
-        if self.role not in ("prefill", "decode"):
+        if self.role not in INSTANCE_ROLES:
             raise InvalidInput(f"role: must be prefill or decode, got {self.role!r}")
+        object.__setattr__(self, "role", ServeRole(self.role))
+        object.__setattr__(
+            self, "transfer_mode", as_enum(TransferMode, self.transfer_mode, "transfer_mode")
+        )
         for name in ("tp", "max_seqs", "min_block_size", "nnodes", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise InvalidInput(f"{name}: must be >= 1, got {getattr(self, name)}")
@@ -95,17 +100,14 @@ class InstanceConfig:
                 f"staging_bytes: must be a multiple of {STAGING_PAGE_BYTES} >= 0, "
                 f"got {self.staging_bytes}"
             )
-        if self.state_checkpoints < (1 if self.prefix_cache and self.role == "prefill" else 0):
+        if self.state_checkpoints < (
+            1 if self.prefix_cache and self.role is ServeRole.PREFILL else 0
+        ):
             raise InvalidInput(
                 f"state_checkpoints: a prefill prefix cache needs >= 1, got {self.state_checkpoints}"
             )
         if self.checkpoint_interval < 0:
             raise InvalidInput(f"checkpoint_interval: must be >= 0, got {self.checkpoint_interval}")
-        if self.transfer_mode not in TRANSFER_MODES:
-            raise InvalidInput(
-                f"transfer_mode: must be one of {', '.join(TRANSFER_MODES)}, "
-                f"got {self.transfer_mode!r}"
-            )
         if self.stream_layers < 1:
             raise InvalidInput(f"stream_layers: must be >= 1, got {self.stream_layers}")
         if self.staging_min_ranges < 1:
@@ -122,12 +124,12 @@ class InstanceConfig:
     def checkpoint_slots(self) -> int:
         """State slots the plan reserves for checkpoints (a prefill prefix cache only: the
         state always crosses whole to decode)."""
-        return self.state_checkpoints if self.prefix_cache and self.role == "prefill" else 0
+        return self.state_checkpoints if self.prefix_cache and self.role is ServeRole.PREFILL else 0
 
     @property
     def layer_group(self) -> int:
         """The layout's streaming groups (0, the default layout, unless streaming)."""
-        return self.stream_layers if self.transfer_mode == "layerwise" else 0
+        return self.stream_layers if self.transfer_mode is TransferMode.LAYERWISE else 0
 
     @property
     def model_source(self) -> str:
@@ -240,7 +242,7 @@ class Instance:
         if not self.config.prefix_cache:
             return None
         align = checkpoint_alignment(self.plan.block_size)
-        if self.config.role == "prefill" and self.config.checkpoint_interval % align:
+        if self.config.role is ServeRole.PREFILL and self.config.checkpoint_interval % align:
             raise InvalidInput(
                 f"checkpoint_interval: must be a multiple of {align} tokens (blocks of "
                 f"{self.plan.block_size}, scan chunks of {SCAN_CHUNK_ALIGN})"

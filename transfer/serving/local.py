@@ -16,6 +16,7 @@ from transfer.serving.procs import (
     stop_all,
     wait_ready,
 )
+from transfer.serving.role import INSTANCE_ROLES, ServeRole
 from transfer.serving.serve_options import ANY_PORT, serve_default, serve_flags
 
 
@@ -81,7 +82,9 @@ class LocalPair:
 
     def start_workers(self) -> None:
         """Start both instances (they load in parallel); `start_router` waits for them."""
-        for role, tp in (("prefill", self.config.prefill_tp), ("decode", self.config.decode_tp)):
+        for role, tp in zip(
+            INSTANCE_ROLES, (self.config.prefill_tp, self.config.decode_tp), strict=True
+        ):
             self.procs.append(
                 start_serve(role, self._worker_args(role, tp), self.run_dir, self.env)
             )
@@ -92,7 +95,7 @@ class LocalPair:
         wait_ready(workers, self.config.timeout_s)
         router_args = ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "0",
                        "--prefill", workers[0].address, "--decode", workers[1].address]  # fmt: skip
-        self.procs.append(start_serve("router", router_args, self.run_dir, self.env))
+        self.procs.append(start_serve(ServeRole.ROUTER, router_args, self.run_dir, self.env))
         wait_ready(self.procs[-1:], self.config.timeout_s)
         check_health(self.procs, self.config.timeout_s)
         return self.procs[-1].address
@@ -102,7 +105,7 @@ class LocalPair:
         the same port, as a supervisor would; returns once it is READY."""
         old = self.procs[index]
         stop_all([old], grace_s=2.0)
-        role, tp = (("prefill", self.config.prefill_tp), ("decode", self.config.decode_tp))[index]
+        role, tp = INSTANCE_ROLES[index], (self.config.prefill_tp, self.config.decode_tp)[index]
         port = int(old.address.rpartition(":")[2])
         new = start_serve(role, self._worker_args(role, tp, port), self.run_dir, self.env)
         self.procs[index] = new

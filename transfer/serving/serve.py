@@ -27,6 +27,7 @@ from transfer.control.metrics import WorkerMetrics, serve_metrics
 from transfer.control.server import serve as serve_control
 from transfer.net import free_port
 from transfer.serving.procs import ready_line
+from transfer.serving.role import ServeRole
 from transfer.serving.router import Router, RouterMetrics, join_address
 from transfer.serving.serve_options import ANY_PORT, ServeOptions
 from transfer.units import parse_size
@@ -134,7 +135,7 @@ def serve(options: ServeOptions) -> int:
     token = auth_token(options)
     server_tls, client_tls = tls_configs(options)
     check_exposure(options, token, server_tls)
-    if options.role == "router":
+    if options.role is ServeRole.ROUTER:
         return _serve_router(options, token, server_tls, client_tls, stop)
     return _serve_worker(options, token, server_tls, client_tls, stop)
 
@@ -178,7 +179,7 @@ def _serve_router(
         if metrics_server:
             metrics_server.stop()
         raise
-    _announce("router", server, metrics_server)
+    _announce(ServeRole.ROUTER, server, metrics_server)
     try:
         stop.wait()
     finally:
@@ -303,7 +304,7 @@ def _serve_worker(
     bind = join_address(options.host, port)
     closers = []
     try:
-        if options.role == "prefill":
+        if options.role is ServeRole.PREFILL:
             worker = PrefillWorker(instance, instance_id, address, options.lease_seconds, metrics)
             server = serve_control(
                 bind,

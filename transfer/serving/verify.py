@@ -22,8 +22,9 @@ import torch
 
 from transfer.geometry import CacheTensor, ModelGeometry, Role
 from transfer.model.caches import CacheAccess
+from transfer.serving.role import INSTANCE_ROLES, ServeRole
 
-Snapshot = dict[str, torch.Tensor]
+RankTensors = dict[str, torch.Tensor]
 
 
 def tensor_key(layer_index: int, name: str) -> str:
@@ -44,7 +45,7 @@ def snapshot_request(
     block_ids: Sequence[int],
     slot: int,
     num_tokens: int,
-) -> Snapshot:
+) -> RankTensors:
     """One rank's cache of one request, copied to CPU, in its native dtypes.
 
     KV: `[num_tokens, rank_channels]` gathered through the block table; SSM:
@@ -52,7 +53,7 @@ def snapshot_request(
     """
     if num_tokens < 1:
         raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
-    snap: Snapshot = {}
+    snap: RankTensors = {}
     for key, index, tensor in _tensors(geometry):
         if tensor.role is Role.KV:
             cache = caches.kv(index, tensor.name)  # [NB, BS, ...]
@@ -83,13 +84,13 @@ def _segment_columns(tensor: CacheTensor, tp: int, rank: int | None):
         col += len(units) * seg.unit_elems
 
 
-def assemble_global(geometry: ModelGeometry, shards: Sequence[Snapshot]) -> Snapshot:
+def assemble_global(geometry: ModelGeometry, shards: Sequence[RankTensors]) -> RankTensors:
     """The TP=1 cache from the snapshots of all `len(shards)` prefill ranks.
 
     Raises ValueError when two ranks holding the same unit disagree, or a shape is off.
     """
     tp = len(shards)
-    out: Snapshot = {}
+    out: RankTensors = {}
     for key, _, tensor in _tensors(geometry):
         parts = [shard[key] for shard in shards]
         rows = parts[0].shape[0]
@@ -118,9 +119,9 @@ def assemble_global(geometry: ModelGeometry, shards: Sequence[Snapshot]) -> Snap
     return out
 
 
-def slice_for_rank(geometry: ModelGeometry, full: Snapshot, tp: int, rank: int) -> Snapshot:
+def slice_for_rank(geometry: ModelGeometry, full: RankTensors, tp: int, rank: int) -> RankTensors:
     """What rank `rank` of `tp` holds of the global cache `full`."""
-    out: Snapshot = {}
+    out: RankTensors = {}
     for key, _, tensor in _tensors(geometry):
         glob = {seg.name: col for seg, col, _ in _segment_columns(tensor, 1, None)}
         cols = []
@@ -141,7 +142,7 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
-def compare_snapshots(expected: Snapshot, actual: Snapshot) -> list[str]:
+def compare_snapshots(expected: RankTensors, actual: RankTensors) -> list[str]:
     """One line per tensor whose bytes differ (empty: identical)."""
     problems = []
     for key in sorted(expected.keys() | actual.keys()):
@@ -176,9 +177,11 @@ def request_dir(root: str | Path, request_id: str) -> Path:
     return Path(root) / re.sub(r"[^A-Za-z0-9._-]", "_", request_id)
 
 
-def save_snapshot(root: str | Path, request_id: str, side: str, rank: int, snap: Snapshot) -> Path:
-    """Write one rank's snapshot; `side` is "prefill" or "decode"."""
-    if side not in ("prefill", "decode"):
+def save_snapshot(
+    root: str | Path, request_id: str, side: ServeRole, rank: int, snap: RankTensors
+) -> Path:
+    """Write one rank's snapshot; `side` is PREFILL or DECODE."""
+    if side not in INSTANCE_ROLES:
         raise ValueError(f"side must be 'prefill' or 'decode', got {side!r}")
     path = request_dir(root, request_id) / f"{side}-rank{rank}.pt"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -188,7 +191,7 @@ def save_snapshot(root: str | Path, request_id: str, side: str, rank: int, snap:
     return path
 
 
-def load_side(root: str | Path, request_id: str, side: str) -> list[Snapshot]:
+def load_side(root: str | Path, request_id: str, side: ServeRole) -> list[RankTensors]:
     """All ranks' snapshots of one side, in rank order (empty when none was written)."""
     folder = request_dir(root, request_id)
     paths = sorted(folder.glob(f"{side}-rank*.pt"), key=lambda p: int(p.stem.rsplit("rank", 1)[1]))
@@ -203,10 +206,12 @@ def check_request(
     decode_tp: int,
 ) -> CacheCheck:
     """Check (1): every decode rank's cache equals the prefill caches re-sliced to it."""
-    prefill = load_side(root, request_id, "prefill")
-    decode = load_side(root, request_id, "decode")
+    prefill = load_side(root, request_id, ServeRole.PREFILL)
+    decode = load_side(root, request_id, ServeRole.DECODE)
     problems: list[str] = []
-    for side, snaps, tp in (("prefill", prefill, prefill_tp), ("decode", decode, decode_tp)):
+    for side, snaps, tp in zip(
+        INSTANCE_ROLES, (prefill, decode), (prefill_tp, decode_tp), strict=True
+    ):
         if len(snaps) != tp:
             problems.append(f"{side}: {len(snaps)} rank snapshots, expected {tp}")
     if problems:
