@@ -11,8 +11,9 @@ from transfer.cli import build_parser
 from transfer.cli.launch_report import format_table, summarize
 from transfer.cli.launch_run import Outcome
 from transfer.presets import get_preset
+from transfer.serving.addresses import join_address, resolve, split_address
 from transfer.serving.instance import InstanceConfig, plan_for
-from transfer.serving.router import Router, join_address, resolve, split_address
+from transfer.serving.router import Router
 from transfer.serving.serve import (
     auth_token,
     check_exposure,

@@ -160,7 +160,7 @@ def _free_port(host: str) -> int:
 
 
 def _print_ready(args, workers, router, http_port: int) -> None:
-    from transfer.serving.router import join_address
+    from transfer.serving.addresses import join_address
 
     base = f"http://{join_address(args.host, http_port)}"
     for proc in workers:

@@ -32,6 +32,7 @@ from transfer.errors import (
     PeerUnavailable,
     TransferFailed,
 )
+from transfer.serving.addresses import resolve
 from transfer.serving.commands import (
     AddPeers,
     DecodeStep,
@@ -51,7 +52,6 @@ from transfer.serving.progress import TransferMode
 from transfer.serving.rank_protocol import RankCommandError
 from transfer.serving.reads import plan_reads, transfer_request
 from transfer.serving.role import ServeRole
-from transfer.serving.router import resolve
 from transfer.serving.spec import RankReads
 from transfer.serving.stream import StreamPlanner, progress_entries
 

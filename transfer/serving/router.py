@@ -14,7 +14,6 @@ from __future__ import annotations
 import itertools
 import logging
 import secrets
-import socket
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -33,6 +32,7 @@ from transfer.control.types import (
     Ticket,
     TokenEvent,
 )
+from transfer.serving.addresses import UNSPECIFIED_HOSTS, resolve, split_address
 from transfer.serving.prefix_routes import PrefixRoutes, learn_block_size
 from transfer.serving.role import INSTANCE_ROLES, ServeRole
 
@@ -47,33 +47,7 @@ RETRY_CODES = frozenset(
 # PERMISSION_DENIED: a restarted decode instance that no longer knows the prefill.
 DECODE_RETRY_CODES = frozenset({GrpcCode.UNAVAILABLE, GrpcCode.ABORTED, GrpcCode.PERMISSION_DENIED})
 DECODE_ATTEMPTS = 2
-UNSPECIFIED_HOSTS = frozenset({"", "0.0.0.0", "::", "[::]"})
 HEALTH_TIMEOUT_S = 2.0
-
-
-def split_address(address: str) -> tuple[str, int]:
-    """ "host:port" or "[v6]:port" -> (host, port); ValueError names the address otherwise."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"address: expected HOST:PORT, got {address!r}")
-    return host.strip("[]"), int(port)
-
-
-def join_address(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def resolve(address: str) -> list[str]:
-    """Every IP `address`'s host name resolves to, as "ip:port" (IPv4 first; a headless
-    Service name resolves to all its pods). An IP literal or an unresolvable name is kept."""
-    host, port = split_address(address)
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except socket.gaierror:
-        return [address]
-    v4 = sorted({i[4][0] for i in infos if i[0] == socket.AF_INET})
-    v6 = sorted({i[4][0] for i in infos if i[0] == socket.AF_INET6})
-    return [join_address(ip, port) for ip in (v4 or v6)] or [address]
 
 
 class RouterMetrics:

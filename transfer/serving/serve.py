@@ -26,9 +26,10 @@ from transfer.control.client import ClientOptions
 from transfer.control.metrics import WorkerMetrics, serve_metrics
 from transfer.control.server import serve as serve_control
 from transfer.net import free_port
+from transfer.serving.addresses import join_address
 from transfer.serving.procs import ready_line
 from transfer.serving.role import ServeRole
-from transfer.serving.router import Router, RouterMetrics, join_address
+from transfer.serving.router import Router, RouterMetrics
 from transfer.serving.serve_options import ANY_PORT, ServeOptions
 from transfer.units import parse_size
 
