@@ -13,15 +13,11 @@ from transfer.cli.launch_run import Outcome
 from transfer.presets import get_preset
 from transfer.serving.addresses import join_address, resolve, split_address
 from transfer.serving.instance import InstanceConfig, plan_for
+from transfer.serving.interfaces import interface_of
 from transfer.serving.router import Router
-from transfer.serving.serve import (
-    auth_token,
-    check_exposure,
-    instance_config,
-    interface_of,
-    tls_configs,
-)
+from transfer.serving.serve import instance_config
 from transfer.serving.serve_options import ANY_PORT, ServeOptions
+from transfer.serving.serve_security import auth_token, check_exposure, tls_configs
 
 
 @pytest.mark.parametrize("model", ["tiny-qwen3-next", "tiny-kimi-linear", "tiny-nemotron-h"])
