@@ -46,6 +46,7 @@ from transfer.serving.commands import (
 )
 from transfer.serving.cpu_rank import configure_cpu_rank
 from transfer.serving.progress import entry_offset, progress_area_bytes
+from transfer.serving.snapshots import save_snapshot, snapshot_request
 from transfer.serving.spec import (
     WARMUP_BYTES,
     Copies,
@@ -60,7 +61,6 @@ from transfer.serving.staging_copies import (
 )
 from transfer.serving.stream_reader import ProgressReader
 from transfer.serving.stream_writer import ProgressWriter, StreamedChunk
-from transfer.serving.verify import save_snapshot, snapshot_request
 
 logger = logging.getLogger(__name__)
 
