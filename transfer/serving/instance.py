@@ -62,23 +62,17 @@ class InstanceConfig:
     net_device: str | None = None  # UCX_NET_DEVICES for the data plane
     agent_prefix: str = ""
     model: str = ""  # a preset name or a checkpoint directory; "" = geometry.name
-    ssm_dtype: str = serve_default(
-        "ssm_dtype"
-    )  # the recurrent state's dtype; auto = the config's, else the model's
-    max_num_batched_tokens: int = serve_default(
-        "max_num_batched_tokens"
-    )  # prompt tokens per prefill step (longer ones chunk)
+    # the recurrent state's dtype; auto = the config's, else the model's
+    ssm_dtype: str = serve_default("ssm_dtype")
+    # prompt tokens per prefill step (longer ones chunk)
+    max_num_batched_tokens: int = serve_default("max_num_batched_tokens")
     staging_bytes: int = serve_default("staging_mib") << 20  # per rank (0: every READ is direct)
-    staging_min_ranges: int = serve_default(
-        "staging_min_ranges"
-    )  # stage a source's small ranges once it has this many
-    prefix_cache: bool = serve_default(
-        "prefix_cache"
-    )  # keep full KV blocks by hash (docs/prefix-cache.md)
+    # stage a source's small ranges once it has this many
+    staging_min_ranges: int = serve_default("staging_min_ranges")
+    prefix_cache: bool = serve_default("prefix_cache")  # keep full KV blocks by hash
     state_checkpoints: int = serve_default("state_checkpoints")  # prefill with a prefix cache
-    checkpoint_interval: int = serve_default(
-        "checkpoint_interval"
-    )  # also checkpoint every this many prompt tokens (0: ends only)
+    # also checkpoint every this many prompt tokens (0: ends only)
+    checkpoint_interval: int = serve_default("checkpoint_interval")
     transfer_mode: TransferMode = serve_default("transfer_mode")  # docs/streaming.md
     stream_layers: int = serve_default("stream_layers")  # layers per streaming group (layerwise)
     stream_scribble_s: float = 0.0  # tests only: see ProgressWriter

@@ -22,6 +22,8 @@ from transfer.serving.serve_options import ANY_PORT, serve_default, serve_flags
 
 @dataclass(frozen=True)
 class LocalPairConfig:
+    """What `LocalPair` starts; each setting named as serve's has serve's default and flag."""
+
     model: str
     prefill_tp: int = serve_default("tp")
     decode_tp: int = serve_default("tp")
@@ -38,12 +40,8 @@ class LocalPairConfig:
     metrics: bool = False  # serve /metrics on each worker (on a port it picks and announces)
     max_num_batched_tokens: int = serve_default("max_num_batched_tokens")
     staging_mib: int = serve_default("staging_mib")
-    prefix_cache: bool = serve_default(
-        "prefix_cache"
-    )  # both instances' prefix caches (--[no-]prefix-cache)
-    checkpoint_interval: int = serve_default(
-        "checkpoint_interval"
-    )  # the prefill instance's (--checkpoint-interval)
+    prefix_cache: bool = serve_default("prefix_cache")  # both instances'
+    checkpoint_interval: int = serve_default("checkpoint_interval")  # the prefill instance's
     transfer_mode: str = serve_default("transfer_mode")  # both instances' (--transfer-mode)
     stream_layers: int = serve_default("stream_layers")  # both instances' (--stream-layers)
 
