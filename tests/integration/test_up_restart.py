@@ -4,6 +4,7 @@ restart per role on its /metrics."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -36,17 +37,18 @@ class Up:
         self.metrics = re.search(r"^up\s+restarts at (\S+);", stdout, re.M).group(1)
         self.stderr = stderr
 
-    def serve_pid(self, role: str) -> int:
-        """The pid of the `serve ROLE` process (its group's leader, not a rank)."""
+    def serve_pid(self, name: str) -> int:
+        """The pid of the `serve` process `name` ("router", "decode-0"; not a rank)."""
+        role, _, _ = name.partition("-")
         pids = []
         for pid in processes_with_env(LAUNCH_ID_ENV, self.launch_id):
             try:
-                args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                args = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
             except OSError:
                 continue
-            if args[3:5] == [b"serve", role.encode()]:
+            if args[3:5] == ["serve", role] and (name == role or name in args):
                 pids.append(pid)
-        assert len(pids) == 1, f"{role}: {pids}"
+        assert len(pids) == 1, f"{name}: {pids}"
         return pids[0]
 
     def restarts(self, role: str) -> float:
@@ -64,10 +66,13 @@ class Up:
         return reply.json()["choices"][0]["token_ids"]
 
 
-@pytest.fixture
-def up():
+@contextlib.contextmanager
+def running_up(*extra: str, exit_code: int = 0):
+    """`pdxfer up` with `extra` flags, until the block ends; then SIGTERM it and check its
+    exit code and that nothing of it is left."""
     launch_id = uuid.uuid4().hex
-    args = ["up", "--model", MODEL, "--http-port", "0", "--gpu-mem", "64MiB", "--max-seqs", "4"]
+    args = ["up", "--model", MODEL, "--http-port", "0", "--gpu-mem", "64MiB", "--max-seqs", "4",
+            *extra]  # fmt: skip
     proc = subprocess.Popen(
         [sys.executable, "-c", MAIN, *args],
         cwd=ROOT,
@@ -100,7 +105,13 @@ def up():
             proc.kill()
             code = proc.wait()
         assert_no_leftovers(launch_id)
-    assert code == 0, "".join(stderr)[-3000:]
+    assert code == exit_code, "".join(stderr)[-3000:]
+
+
+@pytest.fixture
+def up():
+    with running_up() as running:
+        yield running
 
 
 def wait_until(condition, what: str, timeout_s: float = RECOVERY_S) -> None:
@@ -114,16 +125,33 @@ def test_a_killed_decode_then_prefill_instance_is_restarted_and_served_through(u
     expected = [up.greedy(p) for p in PROMPTS]
     router = up.serve_pid("router")
     for role in ("decode", "prefill"):
-        victim = up.serve_pid(role)
+        victim = up.serve_pid(f"{role}-0")
         os.kill(victim, signal.SIGKILL)
         wait_until(
             lambda role=role: up.restarts(role) == 1 and up.healthy(),
             f"{role} restarted and the router healthy",
         )
-        assert up.serve_pid(role) != victim
+        assert up.serve_pid(f"{role}-0") != victim
         for _ in range(3):  # requests keep succeeding, with the same greedy tokens
             assert [up.greedy(p) for p in PROMPTS] == expected, role
         assert up.proc.poll() is None and up.serve_pid("router") == router  # never died
         said = "".join(up.stderr)
         assert f"{role}-0 (pid {victim}) exited with code -9; restarting it" in said
     assert up.restarts("decode") == 1 and up.restarts("prefill") == 1
+
+
+def test_without_restarts_the_instances_left_serve_until_a_role_has_none():
+    with running_up("--decode-instances", "2", "--max-restarts", "0", exit_code=1) as up:
+        expected = [up.greedy(p) for p in PROMPTS]
+        first = up.serve_pid("decode-0")
+        os.kill(first, signal.SIGKILL)
+        wait_until(lambda: "decode-0 (pid" in "".join(up.stderr), "decode-0 noticed")
+        for _ in range(3):  # the router steers around it to decode-1
+            assert [up.greedy(p) for p in PROMPTS] == expected
+        assert up.restarts("decode") == 0 and up.proc.poll() is None
+        os.kill(up.serve_pid("decode-1"), signal.SIGKILL)
+        up.proc.wait(timeout=RECOVERY_S)  # no decode instance left: `up` ends, exit 1
+        wait_until(lambda: "logs kept in" in "".join(up.stderr), "the last words read")
+        said = "".join(up.stderr)
+        assert f"decode-0 (pid {first}) exited with code -9; given up after 0 restarts" in said
+        assert "every decode instance was given up" in said
