@@ -124,7 +124,7 @@ class Supervisor:
     def start(self, role: str, name: str, flags: list[str]) -> Instance:
         """Start an instance on a free port (wait for it with `wait_ready`)."""
         proc = start_serve(role, [*flags, "--port", "0"], self.run_dir / name, self.env)
-        instance = Instance(role, name, list(flags), proc)
+        instance = Instance(role, name, list(flags), proc, started_at=time.monotonic())
         self.instances.append(instance)
         return instance
 
