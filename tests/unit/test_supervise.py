@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from transfer.serving.role import ServeRole
 from transfer.serving.supervise import RestartPolicy, State, Supervisor
 
 
@@ -25,7 +26,7 @@ def test_an_instance_that_keeps_dying_is_restarted_then_given_up(tmp_path):
     said: list[str] = []
     policy = RestartPolicy(max_restarts=2, first_backoff_s=0.0)
     supervisor = Supervisor(tmp_path, {}, policy, said.append)
-    instance = supervisor.start("decode", "decode-0", ["--model", "no-such-model"])
+    instance = supervisor.start(ServeRole.DECODE, "decode-0", ["--model", "no-such-model"])
     deadline = time.monotonic() + 120
     try:
         with pytest.raises(RuntimeError, match="every decode instance was given up"):

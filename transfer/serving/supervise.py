@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from transfer.serving.procs import ServeProcess, start_serve, stop_all, wait_ready
+from transfer.serving.role import INSTANCE_ROLES, ServeRole
 
-ROLES = ("prefill", "decode")
 WATCH_INTERVAL_S = 0.5
 
 
@@ -60,7 +60,7 @@ class State(enum.Enum):
 class Instance:
     """One supervised `pdxfer serve ROLE`; `flags` are its serve flags without --port."""
 
-    role: str
+    role: ServeRole
     name: str
     flags: list[str]
     proc: ServeProcess
@@ -88,7 +88,7 @@ class SupervisorMetrics:
             "pdxfer_up_instances_running", "Instances that are up (READY)", ["role"],
             registry=self.registry,
         )  # fmt: skip
-        for role in ROLES:
+        for role in INSTANCE_ROLES:
             self.restarts.labels(role=role)
             self.serving.labels(role=role)
 
@@ -121,7 +121,7 @@ class Supervisor:
         self._metrics_server, _ = start_http_server(0, addr=host, registry=self.metrics.registry)
         return self._metrics_server.server_port
 
-    def start(self, role: str, name: str, flags: list[str]) -> Instance:
+    def start(self, role: ServeRole, name: str, flags: list[str]) -> Instance:
         """Start an instance on a free port (wait for it with `wait_ready`)."""
         proc = start_serve(role, [*flags, "--port", "0"], self.run_dir / name, self.env)
         instance = Instance(role, name, list(flags), proc, started_at=time.monotonic())
@@ -171,7 +171,7 @@ class Supervisor:
                     self._died(instance, now, f"exited with code {code} before it was ready")
             elif instance.state is State.WAITING and now >= instance.due:
                 self._restart(instance)
-        for role in ROLES:
+        for role in INSTANCE_ROLES:
             members = [i for i in self.instances if i.role == role]
             running = sum(i.state is State.RUNNING for i in members)
             self.metrics.serving.labels(role=role).set(running)
