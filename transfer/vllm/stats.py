@@ -44,7 +44,8 @@ class PdxferStats(KVConnectorStats):
     def __post_init__(self) -> None:
         if not self.data:
             self.reset()
-        else:
+        else:  # its own lists: aggregating into it must not change the caller's
+            self.data = {key: list(values) for key, values in self.data.items()}
             for series in Series:  # a peer built by an older build may lack a series
                 self.data.setdefault(series.value, [])
 
