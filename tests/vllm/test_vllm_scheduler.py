@@ -270,3 +270,19 @@ def test_compat_covers_block_size_dtypes_and_layout(base_config, monkeypatch):
     )
     changed = compat_fields(config, other)
     assert changed["dtypes"] != fields["dtypes"] and changed["groups"] != fields["groups"]
+
+
+def test_decode_renews_the_lease_it_holds(connectors):
+    prefill, decode = connectors("prefill-0"), connectors("decode-0", lease_s=0.3)
+    params = finish_prefill(prefill, "r6")
+    req = request("d6", params)
+    decode.on_new_request(req)
+    wait_for(lambda: decode.get_num_new_matched_tokens(req, 0)[0], "acquired")
+    store = prefill._scheduler.prefill.store
+    acquired_deadline = store.get("r6").lease_deadline
+    # No blocks yet (vLLM is short of them): the held lease is renewed while decode steps.
+    wait_for(
+        lambda: step(decode) and store.get("r6").lease_deadline > acquired_deadline,
+        "a heartbeat renews the lease",
+    )
+    assert store.holder("r6") == "decode-0"

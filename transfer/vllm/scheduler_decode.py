@@ -124,16 +124,17 @@ class DecodeSide:
             )
         )
         pull.phase = PullPhase.LOADING
-        pull.last_beat = self._clock()
         request.kv_transfer_params[LOADED] = True
 
     def take_loads(self) -> list[LoadSpec]:
-        """The loads to start this step; heartbeats for the ones still reading go out too."""
+        """The loads to start this step; leases held (waiting for blocks, or being read) are
+        renewed every `heartbeat_s`."""
         self.poll()
         loads, self._loads = self._loads, []
         now = self._clock()
         for pull in self._pulls.values():
-            if pull.phase is PullPhase.LOADING and now - pull.last_beat >= self._heartbeat_s:
+            holding = pull.phase in (PullPhase.ACQUIRED, PullPhase.LOADING)
+            if holding and now - pull.last_beat >= self._heartbeat_s:
                 pull.last_beat = now
                 self._peers.heartbeat(
                     pull.ticket.control_address, pull.ticket.request_id, tag=pull.request_id
@@ -230,6 +231,7 @@ class DecodeSide:
             return
         pull.held = event.result
         pull.phase = PullPhase.ACQUIRED
+        pull.last_beat = self._clock()  # Acquire renewed the lease
         if pull.finished:
             self._release(pull)
 
