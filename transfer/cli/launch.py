@@ -27,6 +27,7 @@ from transfer.cli.model_args import (
     add_served_model_arguments,
 )
 from transfer.errors import InvalidInput
+from transfer.serving.serve_options import serve_default
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -37,7 +38,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "on localhost, send N requests at once, print TTFT, transfer time, bytes, descriptors "
         "and tokens/s per request, and shut everything down (Ctrl-C included).",
     )
-    add_served_model_arguments(parser, default_model="tiny-qwen3-next")
+    add_served_model_arguments(parser)
     parser.add_argument(
         "--prompts",
         metavar="FILE",
@@ -45,10 +46,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help='JSONL, one request per line: {"prompt_token_ids": [...]} or {"prompt": "text"} '
         "(text needs the checkpoint's tokenizer.json); default: --requests random prompts",
     )
-    parser.add_argument("--prefill-tp", type=int, default=1, help="prefill TP ranks (default 1)")
-    parser.add_argument("--decode-tp", type=int, default=1, help="decode TP ranks (default 1)")
     parser.add_argument(
-        "--transport", choices=["nixl", "ucx"], default="nixl", help="data plane (default nixl)"
+        "--prefill-tp",
+        type=int,
+        default=serve_default("tp"),
+        help="prefill TP ranks (default %(default)s)",
+    )
+    parser.add_argument(
+        "--decode-tp",
+        type=int,
+        default=serve_default("tp"),
+        help="decode TP ranks (default %(default)s)",
+    )
+    parser.add_argument(
+        "--transport",
+        choices=["nixl", "ucx"],
+        default=serve_default("transport"),
+        help="data plane (default %(default)s)",
     )
     parser.add_argument("--requests", type=int, default=4, help="requests sent at once (default 4)")
     parser.add_argument("--prompt-len", type=int, default=64, help="prompt tokens (default 64)")
@@ -61,18 +75,38 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="check caches bit for bit after each transfer and tokens against a TP=1 run",
     )
     parser.add_argument("--json", action="store_true", help="print JSON (a public interface)")
-    parser.add_argument("--seed", type=int, default=0, help="weights and prompts seed (default 0)")
-    parser.add_argument("--gpu-mem", default="64MiB", help="cache memory per rank (default 64MiB)")
-    parser.add_argument("--block-size", type=int, default=16, help="min KV block size (default 16)")
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="(default cpu)")
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=serve_default("seed"),
+        help="weights and prompts seed (default %(default)s)",
+    )
+    parser.add_argument(
+        "--gpu-mem",
+        default=serve_default("gpu_mem"),
+        help="cache memory per rank (default %(default)s)",
+    )
+    parser.add_argument(
+        "--block-size",
+        type=int,
+        default=serve_default("block_size"),
+        help="min KV block size (default %(default)s)",
+    )
+    parser.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default=serve_default("device"),
+        help="(default %(default)s)",
+    )
     parser.add_argument(
         "--timeout", type=float, default=300.0, help="seconds for startup and for the requests"
     )
     parser.add_argument(
         "--staging-mib",
         type=int,
-        default=8,
-        help="each worker's staging pool per rank; 0 reads every range directly (default 8)",
+        default=serve_default("staging_mib"),
+        help="each worker's staging pool per rank; 0 reads every range directly "
+        "(default %(default)s)",
     )
     add_local_prefix_cache_arguments(parser)
     add_local_transfer_mode_arguments(parser)

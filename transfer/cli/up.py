@@ -13,9 +13,10 @@ import time
 import uuid
 from pathlib import Path
 
-from transfer.cli.model_args import add_local_prefix_cache_arguments, add_served_model_arguments
-from transfer.cli.serve import add_http_arguments
+from transfer.cli.model_args import add_served_model_arguments
+from transfer.cli.serve import add_http_arguments, add_instance_arguments, instance_option_names
 from transfer.errors import InvalidInput
+from transfer.serving.serve_options import serve_default, serve_flags
 
 WATCH_INTERVAL_S = 0.5
 
@@ -28,25 +29,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "with the OpenAI-compatible HTTP API on this machine, print the URL, and serve until "
         "Ctrl-C or SIGTERM; then stop everything, leaving no process.",
     )
-    add_served_model_arguments(parser, default_model="tiny-qwen3-next")
+    add_served_model_arguments(parser)
     parser.add_argument("--prefill-instances", type=int, default=1, help="(default 1)")
     parser.add_argument("--decode-instances", type=int, default=1, help="(default 1)")
-    parser.add_argument("--prefill-tp", type=int, default=1, help="TP of each prefill (default 1)")
-    parser.add_argument("--decode-tp", type=int, default=1, help="TP of each decode (default 1)")
-    parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     parser.add_argument(
-        "--transport", choices=["nixl", "ucx"], default="nixl", help="data plane (default nixl)"
-    )
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="(default cpu)")
-    parser.add_argument(
-        "--gpu-mem", default="256MiB", help="cache memory per rank (default 256MiB)"
+        "--prefill-tp",
+        type=int,
+        default=serve_default("tp"),
+        help="TP of each prefill (default %(default)s)",
     )
     parser.add_argument(
-        "--max-seqs", type=int, default=16, help="live requests per instance (default 16)"
+        "--decode-tp",
+        type=int,
+        default=serve_default("tp"),
+        help="TP of each decode (default %(default)s)",
     )
-    parser.add_argument("--block-size", type=int, default=16, help="min KV block size (default 16)")
-    parser.add_argument("--seed", type=int, default=0, help="weight seed of a preset (default 0)")
-    add_local_prefix_cache_arguments(parser)
+    parser.add_argument(
+        "--host", default=serve_default("host"), help="bind address (default %(default)s)"
+    )
+    add_instance_arguments(parser)  # serve's, passed to every instance
     parser.add_argument(
         "--timeout", type=float, default=300.0, help="seconds to wait for start-up (default 300)"
     )
@@ -79,13 +80,10 @@ def run(args: argparse.Namespace) -> int:
         LAUNCH_ID_ENV: os.environ.get(LAUNCH_ID_ENV) or uuid.uuid4().hex,
         "PDXFER_AUTH_TOKEN": uuid.uuid4().hex,  # the control plane's, not the API key
     }
-    common = [
-        "--host", args.host, "--port", "0", "--model", args.model, "--ssm-dtype", args.ssm_dtype,
-        "--transport", args.transport, "--gpu-mem", args.gpu_mem, "--device", args.device,
-        "--max-seqs", str(args.max_seqs), "--block-size", str(args.block_size),
-        "--seed", str(args.seed), "--prefix-cache" if args.prefix_cache else "--no-prefix-cache",
-        "--checkpoint-interval", str(args.checkpoint_interval),
-    ]  # fmt: skip
+    common = serve_flags(
+        {"host": args.host, "port": 0, "model": args.model, "ssm_dtype": args.ssm_dtype}
+        | {name: getattr(args, name) for name in instance_option_names()}
+    )
     procs, keep = [], False
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
@@ -145,6 +143,7 @@ def _context_held(args: argparse.Namespace) -> int:
             config = InstanceConfig(
                 role, geometry, model=args.model, ssm_dtype=args.ssm_dtype, tp=tp,
                 budget_bytes=budget, max_seqs=args.max_seqs, min_block_size=args.block_size,
+                prefix_cache=args.prefix_cache, state_checkpoints=args.state_checkpoints,
             )  # fmt: skip
             plan = plan_for(config)
         except ValueError as exc:
@@ -161,7 +160,7 @@ def _free_port(host: str) -> int:
 
 
 def _print_ready(args, workers, router, http_port: int) -> None:
-    from transfer.serving.router import join_address
+    from transfer.serving.addresses import join_address
 
     base = f"http://{join_address(args.host, http_port)}"
     for proc in workers:
