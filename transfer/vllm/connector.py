@@ -10,6 +10,7 @@ This class only dispatches each hook to the half for its role: `ConnectorSchedul
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -38,6 +39,17 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
+def _log_through_vllm() -> None:
+    """pdxfer's log lines go where vLLM's go (its handlers, its level), once per process."""
+    ours, theirs = logging.getLogger("transfer"), logging.getLogger("vllm")
+    if ours.handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(theirs.getEffectiveLevel())
+    ours.propagate = False
+
+
 class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
     """Moves a finished prefill's KV cache and linear-attention state to decode with pdxfer."""
 
@@ -47,6 +59,7 @@ class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ):
         super().__init__(vllm_config, role, kv_cache_config)
+        _log_through_vllm()
         self.config = PdxferConfig.from_extra_config(
             vllm_config.kv_transfer_config.kv_connector_extra_config
         )

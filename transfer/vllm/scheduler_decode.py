@@ -124,6 +124,14 @@ class DecodeSide:
             )
         )
         pull.phase = PullPhase.LOADING
+        logger.debug(
+            "request %s: loading %d tokens into blocks %s from %s blocks %s",
+            request.request_id,
+            pull.ticket.num_tokens,
+            block_ids,
+            pull.ticket.control_address,
+            pull.ticket.block_ids,
+        )
         request.kv_transfer_params[LOADED] = True
 
     def take_loads(self) -> list[LoadSpec]:
