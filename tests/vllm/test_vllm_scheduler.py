@@ -286,3 +286,39 @@ def test_decode_renews_the_lease_it_holds(connectors):
         "a heartbeat renews the lease",
     )
     assert store.holder("r6") == "decode-0"
+
+
+def ordered_load(prefill: PdxferConnector, decode: PdxferConnector, tag: str) -> None:
+    """Publish on prefill, acquire on decode, and order the load (as vLLM would)."""
+    req = request(f"d{tag}", finish_prefill(prefill, f"r{tag}"))
+    decode.on_new_request(req)
+    wait_for(lambda: decode.get_num_new_matched_tokens(req, 0)[0], "acquired")
+    blocks = KVCacheBlocks(
+        ([KVCacheBlock(b) for b in range(50, 58)], *([KVCacheBlock(60 + g)] for g in range(3)))
+    )
+    decode.update_state_after_alloc(req, blocks, PROMPT - 1)
+    assert len(step(decode).loads) == 1
+
+
+@pytest.mark.parametrize("prefill_alive", [True, False])
+def test_failed_load_still_releases_and_is_not_counted_twice(connectors, prefill_alive):
+    prefill, decode = connectors("prefill-0"), connectors("decode-0")
+    ordered_load(prefill, decode, "7")
+    if not prefill_alive:
+        prefill.shutdown()
+    decode.update_connector_output(
+        KVConnectorOutput(finished_recving={"d7"}, failed_recving={"d7"})
+    )
+    wait_for(lambda: step(decode) and decode._scheduler.decode.phase("d7") is None, "released")
+    if prefill_alive:
+        assert released_ids(prefill) == ["r7"]
+    assert decode.get_kv_connector_stats() is None  # the workers count a failed load
+
+
+def test_release_refused_after_a_good_load_is_counted(connectors):
+    prefill, decode = connectors("prefill-0"), connectors("decode-0")
+    ordered_load(prefill, decode, "8")
+    prefill.shutdown()  # prefill gone before Release: what was read cannot be vouched for
+    decode.update_connector_output(KVConnectorOutput(finished_recving={"d8"}))
+    wait_for(lambda: step(decode) and decode._scheduler.decode.phase("d8") is None, "released")
+    assert decode.get_kv_connector_stats().data["num_failed_transfers"] == [1]

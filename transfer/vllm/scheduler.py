@@ -94,7 +94,9 @@ class ConnectorScheduler:
         return StepMetadata(loads=self.decode.take_loads(), released=self.prefill.take_released())
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
-        self.decode.on_finished_recving(set(output.finished_recving or ()))
+        self.decode.on_finished_recving(
+            set(output.finished_recving or ()), set(output.failed_recving or ())
+        )
 
     def request_finished(
         self, request: Request, block_ids: tuple[list[int], ...]

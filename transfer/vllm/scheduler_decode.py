@@ -55,6 +55,7 @@ class Pull:
     phase: PullPhase = PullPhase.ACQUIRING
     held: StoreTicket | None = None  # the acquired store ticket: what Release must repeat
     finished: bool = False  # vLLM finished the request (e.g. aborted) before it loaded
+    load_failed: bool = False  # the workers gave the load up (and counted it)
     last_beat: float = 0.0
 
 
@@ -149,11 +150,15 @@ class DecodeSide:
                 )
         return loads
 
-    def on_finished_recving(self, request_ids: set[str]) -> None:
-        """The workers are done with these loads (or gave up on them): release prefill."""
-        for request_id in request_ids:
+    def on_finished_recving(
+        self, request_ids: set[str], failed_ids: frozenset[str] | set[str] = frozenset()
+    ) -> None:
+        """The workers are done with these loads, `failed_ids` among them having given up
+        (the workers counted those): release prefill either way, so it frees the blocks."""
+        for request_id in request_ids | failed_ids:
             pull = self._pulls.get(request_id)
             if pull is not None and pull.phase is PullPhase.LOADING:
+                pull.load_failed = request_id in failed_ids
                 self._release(pull)
         self.poll()
 
@@ -253,15 +258,24 @@ class DecodeSide:
             )
 
     def _on_release(self, pull: Pull, event: PeerEvent) -> None:
-        if not event.ok:
-            # NOT_FOUND: the lease lapsed before Release, so prefill may have reused the
-            # blocks while they were read. Counted; the tokens may be wrong.
-            logger.error(
-                "request %s: release at %s failed (%s)", pull.request_id, event.address, event.error
-            )
-            with self._stats_lock:
-                self._stats.record_failed_transfer()
         del self._pulls[pull.request_id]
+        if event.ok:
+            return
+        if pull.load_failed:  # prefill gone, most likely: the failed load is counted already
+            logger.warning(
+                "request %s: release at %s after a failed load: %s",
+                pull.request_id,
+                event.address,
+                event.error,
+            )
+            return
+        # NOT_FOUND: the lease lapsed before Release, so prefill may have reused the blocks
+        # while they were read. Counted; the tokens may be wrong.
+        logger.error(
+            "request %s: release at %s failed (%s)", pull.request_id, event.address, event.error
+        )
+        with self._stats_lock:
+            self._stats.record_failed_transfer()
 
 
 _HANDLERS: dict[PeerOp, Callable[[DecodeSide, Pull, PeerEvent], None]] = {
