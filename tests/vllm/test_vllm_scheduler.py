@@ -32,6 +32,8 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
+from transfer.control.peer_client import PeerClient  # noqa: E402
+from transfer.errors import InvalidInput  # noqa: E402
 from transfer.tiny_presets import TINY_QWEN3_NEXT  # noqa: E402
 from transfer.vllm import PdxferConnector  # noqa: E402
 from transfer.vllm.config import compat_fields  # noqa: E402
@@ -322,3 +324,43 @@ def test_release_refused_after_a_good_load_is_counted(connectors):
     decode.update_connector_output(KVConnectorOutput(finished_recving={"d8"}))
     wait_for(lambda: step(decode) and decode._scheduler.decode.phase("d8") is None, "released")
     assert decode.get_kv_connector_stats().data["num_failed_transfers"] == [1]
+
+
+def test_auth_token_guards_the_control_plane(connectors, tmp_path):
+    token = tmp_path / "token"
+    token.write_text("pd-secret\n")
+    prefill = connectors("prefill-0", auth_token_file=str(token))
+    with_token = connectors("decode-0", auth_token_file=str(token))
+    without = connectors("decode-1")
+    params = finish_prefill(prefill, "r9")
+    stranger = request("d9-stranger", params)
+    without.on_new_request(stranger)
+    wait_for(lambda: without.get_num_new_matched_tokens(stranger, 0) == (0, False), "refused")
+    assert prefill._scheduler.prefill.store.holder("r9") == ""  # nothing changed
+    friend = request("d9", params)
+    with_token.on_new_request(friend)
+    assert wait_for(lambda: with_token.get_num_new_matched_tokens(friend, 0)[0], "acquired") == (
+        PROMPT - 1
+    )
+
+
+def test_handshake_lists_every_tp_rank_in_order(base_config):
+    config = make_config(base_config, "prefill-tp2")
+    config.parallel_config = copy.copy(config.parallel_config)
+    config.parallel_config.tensor_parallel_size = 2
+    connector = PdxferConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config())
+    try:
+        with pytest.raises(InvalidInput, match=r"expected TP ranks 0\.\.1, got \[1\]"):
+            connector.set_xfer_handshake_metadata({1: RankHandshake(1, 2, {}, b"md1")})
+        connector.set_xfer_handshake_metadata(
+            {r: RankHandshake(r, 2, {"rank": r}, f"md{r}".encode()) for r in (1, 0)}
+        )
+        address = connector._scheduler.prefill.address
+        with PeerClient("decode-x") as peers:
+            peers.handshake(address, "decode-x", connector._scheduler.compat)
+            assert peers.wait(WAIT_S)
+            (event,) = peers.drain()
+        assert event.result.rank_metadata == (b"md0", b"md1")
+        assert [json.loads(raw) for raw in event.result.rank_layouts] == [{"rank": 0}, {"rank": 1}]
+    finally:
+        connector.shutdown()
