@@ -364,3 +364,11 @@ def test_handshake_lists_every_tp_rank_in_order(base_config):
         assert [json.loads(raw) for raw in event.result.rank_layouts] == [{"rank": 0}, {"rank": 1}]
     finally:
         connector.shutdown()
+
+
+def test_decode_request_finished_before_vllm_showed_it_still_frees_prefill(connectors):
+    prefill, decode = connectors("prefill-0"), connectors("decode-0")
+    req = request("d10", finish_prefill(prefill, "r10"))
+    req.status = RequestStatus.FINISHED_ABORTED  # no on_new_request, no scheduling
+    assert decode.request_finished_all_groups(req, ([], [], [], [])) == (False, None)
+    assert wait_for(lambda: released_ids(prefill) or (step(decode) and None), "freed") == ["r10"]

@@ -165,7 +165,7 @@ class DecodeSide:
     def request_finished(self, request: Request) -> None:
         """vLLM finished the request. A load in flight releases when it reports finished;
         anything earlier releases now (prefill then frees its blocks at once)."""
-        pull = self._pulls.get(request.request_id)
+        pull = self._track(request)  # a request vLLM never showed us still frees prefill
         if pull is None:
             return
         pull.finished = True
@@ -173,9 +173,6 @@ class DecodeSide:
             self._release(pull)
         elif pull.phase is PullPhase.LOCAL:
             del self._pulls[request.request_id]
-
-    def has_pending(self) -> bool:
-        return any(p.phase is not PullPhase.LOCAL for p in self._pulls.values())
 
     def poll(self) -> None:
         """Apply every PeerClient event that arrived."""
