@@ -20,7 +20,7 @@ from pathlib import Path
 
 from transfer.cli.launch_config import LaunchConfig
 from transfer.cli.launch_report import format_table, summarize
-from transfer.cli.launch_run import Progress, References, send_all, verify_outcomes
+from transfer.cli.launch_run import Progress, References, cut_at_end, send_all, verify_outcomes
 from transfer.cli.model_args import (
     add_local_prefix_cache_arguments,
     add_local_transfer_mode_arguments,
@@ -67,7 +67,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--requests", type=int, default=4, help="requests sent at once (default 4)")
     parser.add_argument("--prompt-len", type=int, default=64, help="prompt tokens (default 64)")
     parser.add_argument(
-        "--max-tokens", type=int, default=16, help="tokens generated per request (default 16)"
+        "--max-tokens",
+        type=int,
+        default=16,
+        help="most tokens generated per request; a request ends earlier at the checkpoint's "
+        "eos_token_id, which is kept as its last token (default 16)",
+    )
+    parser.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="generate all --max-tokens tokens, past any end token (fixed lengths, for benchmarks)",
     )
     parser.add_argument(
         "--verify",
@@ -149,6 +158,7 @@ def launch(config: LaunchConfig) -> int:
     from transfer.presets import load_geometry, looks_like_path
     from transfer.serving.instance import InstanceConfig, plan_for
     from transfer.serving.local import LocalPair, LocalPairConfig
+    from transfer.serving.openai.served import load_served_model
     from transfer.serving.openai.text import TextCodec
     from transfer.units import parse_size
 
@@ -160,6 +170,8 @@ def launch(config: LaunchConfig) -> int:
     else:
         prompts = _prompts(config.requests, config.prompt_len, geometry.vocab_size, config.seed,
                            config.shared_prefix)  # fmt: skip
+    # The end tokens the HTTP API stops at (none for a preset, which names none).
+    end_tokens = () if config.ignore_eos else load_served_model(config.model).eos_token_ids
     budget = parse_size(config.gpu_mem, "--gpu-mem")
     for role, tp in (("prefill", config.prefill_tp), ("decode", config.decode_tp)):
         try:  # what each serve process will plan, checked before anything starts
@@ -212,15 +224,16 @@ def launch(config: LaunchConfig) -> int:
         say.line(f"router at {address}; sending {len(prompts)} requests")
         first = 1 if config.shared_prefix else 0  # it fills the cache the others may hit
         outcomes = send_all(address, pair.token, prompts[:first], config.max_tokens,
-                            config.timeout, say)  # fmt: skip
+                            config.timeout, say, end_tokens=end_tokens)  # fmt: skip
         outcomes += send_all(address, pair.token, prompts[first:], config.max_tokens,
-                             config.timeout, say, start_index=first)  # fmt: skip
+                             config.timeout, say, start_index=first,
+                             end_tokens=end_tokens)  # fmt: skip
         if config.verify:
             say.line("verifying")
             verify_outcomes(
                 geometry,
                 outcomes,
-                references.get(config.timeout),
+                [cut_at_end(tokens, end_tokens) for tokens in references.get(config.timeout)],
                 dump_dir,
                 config.prefill_tp,
                 config.decode_tp,

@@ -33,6 +33,7 @@ class LaunchConfig:
     requests: int = 4
     prompt_len: int = 64
     max_tokens: int = 16
+    ignore_eos: bool = False
     verify: bool = False
     json: bool = False
     seed: int = serve_default("seed")

@@ -48,6 +48,9 @@ RETRY_CODES = frozenset(
 DECODE_RETRY_CODES = frozenset({GrpcCode.UNAVAILABLE, GrpcCode.ABORTED, GrpcCode.PERMISSION_DENIED})
 DECODE_ATTEMPTS = 2
 HEALTH_TIMEOUT_S = 2.0
+# An instance that answered UNAVAILABLE (dead, or restarting) is tried after the others for
+# this long; then it is tried in turn again, so one that came back gets requests again.
+DOWN_S = 5.0
 
 
 class RouterMetrics:
@@ -85,6 +88,7 @@ class _Pool:
         self._targets: list[tuple[str, str]] = []  # (target, original address)
         self._resolved_at = -float("inf")
         self._turn = itertools.count()
+        self._down_until: dict[str, float] = {}
 
     def order(self) -> list[tuple[str, object]]:
         """Every instance once, starting at the next one in turn."""
@@ -101,6 +105,18 @@ class _Pool:
                     self._clients[target] = self._factory(target, original)
                 out.append((target, self._clients[target]))
             return out
+
+    def mark_down(self, target: str) -> None:
+        """`target` answered UNAVAILABLE: try it after the others for DOWN_S."""
+        with self._lock:
+            self._down_until[target] = time.monotonic() + DOWN_S
+
+    def up_first(self, targets: list[tuple[str, object]]) -> list[tuple[str, object]]:
+        """`targets` with those marked down recently moved last (stable otherwise)."""
+        now = time.monotonic()
+        with self._lock:
+            down = {t for t, until in self._down_until.items() if until > now}
+        return sorted(targets, key=lambda pair: pair[0] in down)
 
     def forget(self) -> None:
         """Re-resolve on the next call (after a failure, pods may have moved)."""
@@ -215,7 +231,8 @@ class Router:
         routes = self._routes[ServeRole.PREFILL]
         size = self._block_size
         hashes = block_hashes(request.prompt_ids, size) if size else ()
-        for target, client in _ordered(self._prefill.order(), routes, hashes):
+        ordered = self._prefill.up_first(_ordered(self._prefill.order(), routes, hashes))
+        for target, client in ordered:
             routes.started(target)
             try:
                 ticket = client.prefill(prefill)
@@ -233,6 +250,8 @@ class Router:
                     exc,
                 )
                 self.metrics.prefill_retries.inc()
+                if exc.code == GrpcCode.UNAVAILABLE:
+                    self._prefill.mark_down(target)
                 if exc.code != GrpcCode.RESOURCE_EXHAUSTED:
                     self._prefill.forget()
             finally:
@@ -245,18 +264,21 @@ class Router:
         self, ticket, max_tokens: int, sampling: SamplingParams
     ) -> Iterator[TokenEvent]:
         routes = self._routes[ServeRole.DECODE]
-        targets = _ordered(self._decode.order(), routes, ticket.block_hashes)
+        ordered = _ordered(self._decode.order(), routes, ticket.block_hashes)
+        targets = self._decode.up_first(ordered)
         if not targets:
             raise ControlError(GrpcCode.UNAVAILABLE, "no decode instance resolved")
         target, client = targets[0]
-        self._register(target, client, ticket.address)
         routes.started(target)
         try:
+            self._register(target, client, ticket.address)
             yield from client.decode(DecodeRequest(ticket, max_tokens, sampling))
             routes.record(target, ticket.block_hashes)
-        except ControlError:
+        except ControlError as exc:
             with self._transfer_lock:  # it may have restarted and forgotten: register again
                 self._registered.discard((target, ticket.address))
+            if exc.code == GrpcCode.UNAVAILABLE:
+                self._decode.mark_down(target)
             raise
         finally:
             routes.finished(target)
