@@ -104,7 +104,7 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=0,
         help="prefill with --prefix-cache: also checkpoint every this many prompt tokens, a "
-        "multiple of lcm(block size, 64); 0 checkpoints prompt ends only (default 0)",
+        "multiple of 64; 0 checkpoints prompt ends only (default 0)",
     )
     parser.add_argument(
         "--transfer-mode",
