@@ -1,6 +1,6 @@
 """Prefix hits at 64-token granularity through the OpenAI API of `pdxfer up` with its default
-flags (issue 35, part 2): the KV blocks of the tiny presets are 128-256 tokens, so a hit that
-ends inside a block needs the copy on write of that block and a checkpoint at a 64-token
+flags (issue 35, part 2), for every tiny preset: their KV blocks are 112-256 tokens, so a hit
+that ends inside a block needs the copy on write of that block and a checkpoint at a 64-token
 position."""
 
 from __future__ import annotations
@@ -75,7 +75,9 @@ def _send(client: openai.OpenAI, model: str, ids: list[int]) -> tuple[list[int],
     return out.choices[0].model_extra["token_ids"], out.usage.prompt_tokens_details.cached_tokens
 
 
-@pytest.mark.parametrize("model", ["tiny-kimi-linear", "tiny-qwen3-next"])
+@pytest.mark.parametrize(
+    "model", ["tiny-kimi-linear", "tiny-qwen3-next", "tiny-qwen3.5", "tiny-nemotron-h"]
+)
 def test_a_resent_and_an_extended_prompt_hit_at_64_token_granularity(model):
     prompt = [(7 * i + 3) % 500 for i in range(224)]
     extended = prompt + [(11 * i + 5) % 500 for i in range(32)]
@@ -84,8 +86,8 @@ def test_a_resent_and_an_extended_prompt_hit_at_64_token_granularity(model):
         first, first_cached = _send(client, model, prompt)
         second, second_cached = _send(client, model, prompt)
         third, third_cached = _send(client, model, extended)
-        # 64 * floor(224 / 64) = 192, inside the second 128-token block (tiny-qwen3-next)
-        # or the first 256-token one (tiny-kimi-linear); the third shares all 224
+        # 64 * floor(224 / 64) = 192, inside a block of 112, 128, 160 or 256 tokens; the
+        # third shares all 224
         assert first_cached == 0
         assert second_cached >= 192 and third_cached >= 192
         assert second == first
