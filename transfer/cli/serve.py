@@ -141,7 +141,7 @@ def add_instance_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=_D("checkpoint_interval"),
         help="prefill with --prefix-cache: also checkpoint every this many prompt tokens, a "
-        "multiple of lcm(block size, 64); 0 checkpoints prompt ends only (default %(default)s)",
+        "multiple of 64; 0 checkpoints prompt ends only (default %(default)s)",
     )
     parser.add_argument(
         "--transfer-mode",
