@@ -171,6 +171,7 @@ class ConnectorWorker:
                 reads, copies = self._plan(load)
             except Exception as exc:  # the load fails, vLLM recomputes; the server lives
                 logger.warning("pdxfer: load of %s failed before posting: %s", load.request_id, exc)
+                self._staging_held.pop(load.request_id, None)
                 self._fail(load)
                 continue
             self._loads[load.request_id] = load
