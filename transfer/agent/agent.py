@@ -14,6 +14,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from transfer.dataplane import Op, RangeBatch, Transport
@@ -52,6 +53,7 @@ class _Pending:
     nbytes: int
     descriptors: int
     started: float
+    copies: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
     errors: list[str] = field(default_factory=list)
 
 
@@ -81,12 +83,14 @@ class TransferAgent:
         self.metadata: bytes | None = None
         self._peers: dict[bytes, str] = {}
         self._pending: dict[str, _Pending] = {}
+        self._regions: list[torch.Tensor] = []
 
     def register(self, regions: Sequence[torch.Tensor]) -> bytes:
         """Register the rank's memory once (uint8 regions); returns its transport metadata."""
         if self.metadata is not None:
             raise WrongState("agent: memory is already registered")
-        self.metadata = self.transport.register_regions(list(regions))
+        self._regions = list(regions)
+        self.metadata = self.transport.register_regions(self._regions)
         return self.metadata
 
     def connect(self, metadata: bytes) -> str:
@@ -97,12 +101,21 @@ class TransferAgent:
             self._peers[metadata] = name
         return name
 
-    def post(self, key: str, reads: Sequence[PeerReads]) -> None:
-        """Start `reads` under `key`. A post that fails part-way leaves the key failed; it
-        still finishes only once what was posted has settled."""
+    def post(
+        self,
+        key: str,
+        reads: Sequence[PeerReads],
+        copies: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
+    ) -> None:
+        """Start `reads` under `key`; once all landed, run the local `copies` (staging
+        offset, destination offset, nbytes; virtual offsets, `transfer.agent.staging`). A
+        post that fails part-way leaves the key failed; it still finishes only once what
+        was posted has settled."""
         if key in self._pending:
             raise WrongState(f"key {key!r}: already has transfers in flight")
-        pending = _Pending([], sum(r.ranges.total_bytes for r in reads), 0, time.monotonic())
+        pending = _Pending(
+            [], sum(r.ranges.total_bytes for r in reads), 0, time.monotonic(), copies
+        )
         self._pending[key] = pending
         for read in reads:
             try:
@@ -136,6 +149,8 @@ class TransferAgent:
             if unsettled:
                 continue
             del self._pending[key]
+            if not pending.errors and pending.copies is not None and len(pending.copies[2]):
+                self._copy(*pending.copies)
             finished.append(
                 Finished(
                     key,
@@ -146,6 +161,27 @@ class TransferAgent:
                 )
             )
         return finished
+
+    def _copy(self, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> None:
+        """Local copies between registered regions, in virtual offsets."""
+        region_map = self.transport.region_map
+        if region_map is None:
+            raise WrongState("agent: local copies need registered regions")
+        s_index = region_map.indices(src, nbytes, "copies.src")
+        d_index = region_map.indices(dst, nbytes, "copies.dst")
+        starts = [r.start for r in region_map.regions]
+        rows = zip(
+            s_index.tolist(),
+            src.tolist(),
+            d_index.tolist(),
+            dst.tolist(),
+            nbytes.tolist(),
+            strict=True,
+        )
+        for si, s, di, d, n in rows:
+            s -= starts[si]
+            d -= starts[di]
+            self._regions[di][d : d + n].copy_(self._regions[si][s : s + n])
 
     def close(self) -> None:
         self.transport.close()
