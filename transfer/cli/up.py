@@ -15,7 +15,9 @@ from pathlib import Path
 
 from transfer.cli.model_args import add_local_prefix_cache_arguments, add_served_model_arguments
 from transfer.cli.serve import add_http_arguments
+from transfer.cli.vllm_args import add_connector_argument, add_vllm_server_arguments
 from transfer.errors import InvalidInput
+from transfer.serving.serve_options import RouterBackend
 
 WATCH_INTERVAL_S = 0.5
 
@@ -26,8 +28,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="serve the OpenAI API from a local router, prefill and decode instances",
         description="Start prefill and decode instances (each with its own TP) and a router "
         "with the OpenAI-compatible HTTP API on this machine, print the URL, and serve until "
-        "Ctrl-C or SIGTERM; then stop everything, leaving no process.",
+        "Ctrl-C or SIGTERM; then stop everything, leaving no process. With --engine vllm the "
+        "instances are vLLM OpenAI servers (--vllm-python) whose KV connector (--connector) "
+        "moves the cache, and --model must be a checkpoint directory.",
     )
+    parser.add_argument(
+        "--engine",
+        choices=[engine.value for engine in RouterBackend],
+        default=RouterBackend.PDXFER.value,
+        help="pdxfer (default): pdxfer's own workers; vllm: vLLM prefill and decode servers "
+        "with a KV connector (the flags of pdxfer's workers, e.g. --transport, --gpu-mem, "
+        "--max-seqs, do not apply)",
+    )
+    add_connector_argument(parser)
+    add_vllm_server_arguments(parser)
     add_served_model_arguments(parser, default_model="tiny-qwen3-next")
     parser.add_argument("--prefill-instances", type=int, default=1, help="(default 1)")
     parser.add_argument("--decode-instances", type=int, default=1, help="(default 1)")
@@ -56,6 +70,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if RouterBackend(args.engine) is RouterBackend.VLLM:
+        from transfer.cli.up_vllm import run_vllm_up
+
+        return run_vllm_up(args)
     from transfer.presets import looks_like_path
     from transfer.serving.procs import (
         LAUNCH_ID_ENV,

@@ -28,7 +28,7 @@ from transfer.control.server import serve as serve_control
 from transfer.net import free_port
 from transfer.serving.procs import ready_line
 from transfer.serving.router import Router, RouterMetrics, join_address
-from transfer.serving.serve_options import ANY_PORT, ServeOptions
+from transfer.serving.serve_options import ANY_PORT, RouterBackend, ServeOptions
 from transfer.units import parse_size
 
 logger = logging.getLogger("pdxfer.serve")
@@ -134,6 +134,10 @@ def serve(options: ServeOptions) -> int:
     token = auth_token(options)
     server_tls, client_tls = tls_configs(options)
     check_exposure(options, token, server_tls)
+    if options.role == "router" and options.engine is RouterBackend.VLLM:
+        from transfer.serving.vllm_router import serve_vllm_router
+
+        return serve_vllm_router(options, api_key(options), stop)
     if options.role == "router":
         return _serve_router(options, token, server_tls, client_tls, stop)
     return _serve_worker(options, token, server_tls, client_tls, stop)

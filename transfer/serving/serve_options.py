@@ -6,6 +6,7 @@ nothing else, so library code never sees argparse.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -16,6 +17,14 @@ from transfer.serving.progress import DEFAULT_STREAM_LAYERS
 # `--metrics-port any`: the process binds a port the OS picks and announces it on its
 # READY line, so a launcher never races another process for a port it chose free.
 ANY_PORT = -1
+
+
+class RouterBackend(enum.Enum):
+    """What the router fronts: pdxfer's own prefill/decode workers (gRPC), or vLLM OpenAI
+    servers with a KV connector (HTTP, vLLM's two-step P/D protocol)."""
+
+    PDXFER = "pdxfer"
+    VLLM = "vllm"
 
 
 @dataclass(frozen=True)
@@ -54,6 +63,7 @@ class ServeOptions:
     nnodes: int = 1
     node_rank: int = 0
     dist_addr: str | None = None
+    engine: RouterBackend = RouterBackend.PDXFER
     prefill: tuple[str, ...] = ()
     decode: tuple[str, ...] = ()
     prefill_peers: tuple[str, ...] = ()
@@ -70,4 +80,6 @@ class ServeOptions:
         for name in ("prefill", "decode", "prefill_peers"):
             if name in picked:
                 picked[name] = tuple(picked[name] or ())
+        if "engine" in picked:
+            picked["engine"] = RouterBackend(picked["engine"])
         return cls(**picked)
