@@ -41,7 +41,8 @@ def config(role: str, model: str, tp: int, dump_dir: Path, name: str, **extra) -
     return InstanceConfig(
         role, get_preset(model), tp=tp, budget_bytes=16 << 20, max_seqs=2,
         dump_dir=str(dump_dir), transfer_mode="layerwise", stream_layers=2,
-        max_num_batched_tokens=CHUNK, agent_prefix=f"{name}-{os.getpid()}", **extra,
+        max_num_batched_tokens=CHUNK, agent_prefix=f"{name}-{os.getpid()}",
+        **({"prefix_cache": False, "staging_bytes": 0} | extra),
     )  # fmt: skip
 
 

@@ -26,6 +26,7 @@ from transfer.errors import PeerUnavailable, TransferFailed
 from transfer.model.caches import LocalCaches
 from transfer.model.reference import reference_generate
 from transfer.model.runner import RankEngine
+from transfer.model.slots import CacheFillingError
 from transfer.net import free_port
 from transfer.presets import get_preset
 from transfer.serving.commands import (
@@ -65,8 +66,9 @@ def start_prefill(dump_dir: Path, name: str) -> Side:
 def config(role: str, dump_dir: Path) -> InstanceConfig:
     geometry = get_preset(MODEL)
     return InstanceConfig(
-        role, geometry, tp=1, budget_bytes=16 << 20, max_seqs=3, dump_dir=str(dump_dir)
-    )
+        role, geometry, tp=1, budget_bytes=16 << 20, max_seqs=3, dump_dir=str(dump_dir),
+        prefix_cache=False, staging_bytes=0,
+    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -237,7 +239,7 @@ def test_no_step_touches_a_slot_while_a_transfer_fills_it(cluster, spare):
             assert ranks.call(TransferPoll("bug6"))[0].state is TransferState.PENDING
             with pytest.raises(RankCommandError) as refused:
                 ranks.call(DecodeStep(ticket.first_token, len(ids), blocks, slot))
-            assert refused.value.kind == "CacheFillingError"
+            assert refused.value.kind is CacheFillingError
             rest = [event.token for event in other]  # the other request is not held up
             assert len(rest) == MAX_TOKENS - 1
             assert ranks.call(TransferPoll("bug6"))[0].state is TransferState.PENDING
@@ -302,7 +304,7 @@ def test_an_unfinished_transfer_never_becomes_readable(cluster, spare):
         assert ranks.call(TransferEnd("cancelled")) == [False]  # still in flight
         with pytest.raises(RankCommandError) as filling:
             ranks.call(DecodeStep(ticket.first_token, len(ids), blocks, slot))
-        assert filling.value.kind == "CacheFillingError"
+        assert filling.value.kind is CacheFillingError
     finally:
         os.kill(rank, signal.SIGCONT)
     deadline = time.monotonic() + 30

@@ -37,7 +37,7 @@ MAX_TOKENS = 4
 def prefill_side(model: str, tp: int, dump_dir: Path, cached: bool, name: str) -> Side:
     config = InstanceConfig(
         "prefill", get_preset(model), tp=tp, budget_bytes=16 << 20, max_seqs=2,
-        dump_dir=str(dump_dir), prefix_cache=cached, state_checkpoints=2,
+        dump_dir=str(dump_dir), prefix_cache=cached, state_checkpoints=2, staging_bytes=0,
         agent_prefix=f"{name}-{os.getpid()}",  # two prefill instances in this process
     )  # fmt: skip
     return start_prefill(config, name)
@@ -46,7 +46,8 @@ def prefill_side(model: str, tp: int, dump_dir: Path, cached: bool, name: str) -
 def decode_side(model: str, tp: int, dump_dir: Path, cached: bool, name: str, prefills) -> Side:
     config = InstanceConfig(
         "decode", get_preset(model), tp=tp, budget_bytes=16 << 20, max_seqs=2,
-        dump_dir=str(dump_dir), prefix_cache=cached, agent_prefix=f"{name}-{os.getpid()}",
+        dump_dir=str(dump_dir), prefix_cache=cached, staging_bytes=0,
+        agent_prefix=f"{name}-{os.getpid()}",
     )  # fmt: skip
     return start_decode(config, name, prefills)
 

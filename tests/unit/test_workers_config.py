@@ -11,16 +11,13 @@ from transfer.cli import build_parser
 from transfer.cli.launch_report import format_table, summarize
 from transfer.cli.launch_run import Outcome
 from transfer.presets import get_preset
+from transfer.serving.addresses import join_address, resolve, split_address
 from transfer.serving.instance import InstanceConfig, plan_for
-from transfer.serving.router import Router, join_address, resolve, split_address
-from transfer.serving.serve import (
-    auth_token,
-    check_exposure,
-    instance_config,
-    interface_of,
-    tls_configs,
-)
+from transfer.serving.interfaces import interface_of
+from transfer.serving.router import Router
+from transfer.serving.serve import instance_config
 from transfer.serving.serve_options import ANY_PORT, ServeOptions
+from transfer.serving.serve_security import auth_token, check_exposure, tls_configs
 
 
 @pytest.mark.parametrize("model", ["tiny-qwen3-next", "tiny-kimi-linear", "tiny-nemotron-h"])
@@ -28,7 +25,11 @@ def test_every_tp_plans_the_same_block_size(model):
     """A prefill and a decode instance of any TP can hand over: same block size."""
     geometry = get_preset(model)
     plans = [
-        plan_for(InstanceConfig(role, geometry, tp, budget_bytes=64 << 20, max_seqs=4))
+        plan_for(
+            InstanceConfig(
+                role, geometry, tp, budget_bytes=64 << 20, max_seqs=4, prefix_cache=False
+            )
+        )
         for role in ("prefill", "decode")
         for tp in geometry.valid_tps()
     ]

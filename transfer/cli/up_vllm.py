@@ -20,8 +20,8 @@ WATCH_INTERVAL_S = 0.5
 
 def run_vllm_up(args: argparse.Namespace) -> int:
     from transfer.net import free_port
+    from transfer.serving.addresses import join_address
     from transfer.serving.procs import start_serve, stop_all, wait_ready
-    from transfer.serving.router import join_address
     from transfer.serving.vllm_servers import Connector
     from transfer.serving.vllm_stack import VllmPdPlan, running_vllm_pd
 

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from transfer.control.types import GREEDY, SamplingParams
 from transfer.serving.rank_protocol import RankCommand
+from transfer.serving.role import ServeRole
 from transfer.serving.spec import Copies, RankReads
 
 if TYPE_CHECKING:
@@ -38,7 +39,7 @@ class TransferState(enum.Enum):
 
 
 @dataclass(frozen=True)
-class TransferStatus:
+class RankTransferStatus:
     """One rank's view of a transfer into it."""
 
     state: TransferState
@@ -122,7 +123,7 @@ class Snapshot(RankCommand[None]):
     """Write this rank's cache of the request for `launch --verify`."""
 
     request_id: str
-    side: str  # "prefill" | "decode"
+    side: ServeRole  # PREFILL or DECODE
     block_ids: tuple[int, ...]
     slot: int
     num_tokens: int
@@ -142,7 +143,7 @@ class Release(RankCommand[None]):
 
 
 @dataclass(frozen=True)
-class TransferStart(RankCommand[TransferStatus]):
+class TransferStart(RankCommand[RankTransferStatus]):
     """Mark `slot`/`block_ids` FILLING and post each rank's READs (`reads[rank]`); a
     `stream` also starts reading the prefill ranks' progress. Answers the transfer's
     status: DONE already for a small whole transfer that landed within the rank's
@@ -156,7 +157,7 @@ class TransferStart(RankCommand[TransferStatus]):
     deadline_s: float
     stream: StreamSource | None = None  # more READs follow (`TransferPost`) as prefill runs
 
-    def apply(self, worker: RankWorker) -> TransferStatus:
+    def apply(self, worker: RankWorker) -> RankTransferStatus:
         return worker.transfer_start(
             self.request_id,
             self.instance,
@@ -182,10 +183,10 @@ class TransferPost(RankCommand[None]):
 
 
 @dataclass(frozen=True)
-class TransferPoll(RankCommand[TransferStatus]):
+class TransferPoll(RankCommand[RankTransferStatus]):
     request_id: str
 
-    def apply(self, worker: RankWorker) -> TransferStatus:
+    def apply(self, worker: RankWorker) -> RankTransferStatus:
         return worker.transfer_poll(self.request_id)
 
 

@@ -35,8 +35,9 @@ from transfer.serving.commands import Release, Snapshot, StageGather, TokenPick
 from transfer.serving.frees import FreeQueue
 from transfer.serving.instance import Instance
 from transfer.serving.prefill_batcher import PrefillBatcher
-from transfer.serving.progress import next_key
+from transfer.serving.progress import TransferMode, next_key
 from transfer.serving.rank_protocol import RankCommandError, RankGroupDead
+from transfer.serving.role import ServeRole
 from transfer.serving.spec import Copies
 
 logger = logging.getLogger(__name__)
@@ -103,7 +104,7 @@ class PrefillWorker:
         )
         if metrics is not None:
             metrics.track_requests(
-                running=lambda: self.batcher.num_waiting,
+                running=lambda: self.batcher.num_running,
                 waiting=lambda: instance.admission.waiting,
             )
             staging = instance.staging
@@ -145,7 +146,7 @@ class PrefillWorker:
             self.metrics.record_block_runs(count_runs(cache.block_ids))
         blocks, slot = tuple(cache.block_ids), cache.slot_ids[0]
         job = _Allocated(rid, prompt, blocks, slot, request.sampling, hit, hashes)
-        if self.instance.config.transfer_mode == "layerwise":
+        if self.instance.config.transfer_mode is TransferMode.LAYERWISE:
             return self._publish_early(job)
         try:
             first = self._run(job, is_cancelled)
@@ -179,7 +180,7 @@ class PrefillWorker:
                 prefix.insert_prompt(job.hashes, job.block_ids, len(hit.block_ids))
             if self.instance.config.dump_dir:
                 self.instance.ranks.call(
-                    Snapshot(job.request_id, "prefill", job.block_ids, job.slot, num_tokens)
+                    Snapshot(job.request_id, ServeRole.PREFILL, job.block_ids, job.slot, num_tokens)
                 )
             return first
         finally:

@@ -125,7 +125,8 @@ class PrefillBatcher:
         return outcome
 
     @property
-    def num_waiting(self) -> int:
+    def num_running(self) -> int:
+        """Prompts admitted to the batcher and not finished: each runs in the next steps."""
         with self._cond:
             return len(self._queue)
 

@@ -9,14 +9,15 @@ import threading
 
 from prometheus_client import CollectorRegistry
 
+from transfer.serving.addresses import join_address
+from transfer.serving.http_front import api_key
 from transfer.serving.procs import ready_line
-from transfer.serving.router import join_address
 from transfer.serving.serve_options import ServeOptions
 
 logger = logging.getLogger("pdxfer.serve")
 
 
-def serve_vllm_router(options: ServeOptions, api_key: str | None, stop: threading.Event) -> int:
+def serve_vllm_router(options: ServeOptions, stop: threading.Event) -> int:
     """Serve until `stop` is set; 0 on a clean stop."""
     from transfer.serving.openai.app import build_app
     from transfer.serving.openai.http_server import HttpServer
@@ -30,7 +31,7 @@ def serve_vllm_router(options: ServeOptions, api_key: str | None, stop: threadin
     model = load_served_model(
         options.model, name=options.served_model_name, max_model_len=options.max_model_len
     )
-    http = HttpServer(build_app(engine, model, api_key=api_key, registry=registry),
+    http = HttpServer(build_app(engine, model, api_key=api_key(options), registry=registry),
                       options.host, options.http_port)  # fmt: skip
     address = join_address(options.host, http.port)
     logger.info(

@@ -22,8 +22,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter
 
 from transfer.errors import InvalidInput, PeerUnavailable
+from transfer.serving.addresses import join_address, resolve
 from transfer.serving.openai.schema import ApiError, Sampling
-from transfer.serving.router import join_address, resolve
 
 REQUEST_TIMEOUT_S = 600.0  # a decode stream may run long; a dead server fails at connect
 HEALTH_TIMEOUT_S = 2.0
