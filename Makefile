@@ -29,17 +29,20 @@ $(VLLM_STAMP): pyproject.toml
 	# PyPI's torchvision/torchaudio/torchcodec target another torch: "import vllm" then fails
 	# with "operator torchvision::nms does not exist".
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
-	# pdxfer's runtime deps only (no [dev]: its transformers pin is the main venv's).
-	$(VLLM_PY) -m pip install -q -e .
+	# pdxfer's runtime deps and the test runner (tests/vllm run with this interpreter); not
+	# [dev]: its transformers pin is the main venv's.
+	$(VLLM_PY) -m pip install -q -e '.[test]'
 	$(VLLM_PY) deploy/tools/check_vllm_env.py
 	touch $(VLLM_STAMP)
 
 demo: setup
 	$(VENV)/bin/pdxfer launch --model tiny-qwen3-next --prefill-tp 2 --decode-tp 1 --requests 4 --verify
 
+# The main venv does not collect tests/vllm (no vLLM there); the vLLM venv runs them.
 test: setup setup-vllm
 	sh deploy/tools/ensure-kubectl.sh
 	$(PY) -m pytest -q
+	$(VLLM_PY) -m pytest -q tests/vllm
 
 test-fast: setup
 	sh deploy/tools/ensure-kubectl.sh

@@ -1,6 +1,7 @@
 """Session-wide test setup."""
 
 import atexit
+import importlib.util
 import os
 import shutil
 import tempfile
@@ -17,3 +18,7 @@ if "PDXFER_CACHE" not in os.environ:
     _cache = tempfile.mkdtemp(prefix="pdxfer-test-cache-")
     os.environ["PDXFER_CACHE"] = _cache
     atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+
+# tests/vllm need vLLM, which lives in a second venv (`make test` runs them with its
+# interpreter); any other interpreter does not collect them.
+collect_ignore = [] if importlib.util.find_spec("vllm") else ["vllm"]

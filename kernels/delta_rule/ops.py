@@ -39,8 +39,11 @@ _CHUNK_DOC = """Chunked {title} over whole sequences (prefill).
     """
 
 _RECURRENT_DOC = """Token-by-token {title} (decode). Shapes and results as `chunk_{name}`;
-    state_in_place writes the final state into initial_state and returns it, sparing a
-    copy of every state per step (needs initial_state and output_final_state)."""
+    state_in_place makes the final state land in initial_state, which is returned (needs
+    initial_state and output_final_state). It spares no copy in general: the Triton kernel
+    and the per-sequence loop compute the final state apart and copy it in; only the CPU
+    decode step (one token per sequence) on a contiguous initial_state updates it where it
+    is, without a fresh tensor."""
 
 
 def _named(op, kind: DeltaRuleKind, form: str, doc: str):

@@ -72,14 +72,17 @@ def _tokens(client: DecodeClient, request_id: str, max_tokens: int) -> list[int]
 
 
 def test_concurrent_decodes_each_get_their_own_tokens(decode_server):
-    _, client, decodes = decode_server
+    server, client, decodes = decode_server
     with ThreadPoolExecutor(16) as pool:
         futures = {k: pool.submit(_tokens, client, f"r-{k}", 5 + k % 3) for k in range(32)}
         got = {k: f.result(timeout=TIMEOUT_S) for k, f in futures.items()}
     assert got == {k: [1000 * k + i for i in range(5 + k % 3)] for k in range(32)}
     # every one ran on DecodeMany's threads, none as a Decode call of its own
     assert all(name.startswith("decode-many-") for name in decodes.threads.values())
-    alone = list(client.decode_alone(DecodeRequest(_ticket("r-40"), 3)))
+    with grpc.insecure_channel(server.address) as channel:  # the unary Decode call still serves
+        request = convert.decode_request_to_pb(DecodeRequest(_ticket("r-40"), 3))
+        replies = worker_pb2_grpc.DecodeServiceStub(channel).Decode(request, timeout=TIMEOUT_S)
+        alone = [convert.token_event_from_pb(reply) for reply in replies]
     assert [e.token for e in alone] == [40000, 40001, 40002] and alone[-1].finished
 
 

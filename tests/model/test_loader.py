@@ -132,7 +132,7 @@ def test_checkpoint_reads_slices_along_any_dim(qwen35):
         whole = ckpt.read("model.layers.0.mlp.down_proj.weight")  # [64, 128]
         ffn = (Segment("ffn", 128, 1),)
         assert torch.equal(
-            ckpt.read_cols("model.layers.0.mlp.down_proj.weight", ffn, 4, 3), whole[:, 96:]
+            ckpt.read_dim("model.layers.0.mlp.down_proj.weight", 1, ffn, 4, 3), whole[:, 96:]
         )
 
 

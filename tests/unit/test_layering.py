@@ -16,6 +16,7 @@ LAYERS = [
     ("transfer/memplan.py", "transfer.memplan"),
     ("transfer/cache", "transfer.cache"),
     ("transfer/packer", "transfer.packer"),
+    ("transfer/agent", "transfer.agent"),
     ("transfer/model", "transfer.model"),
     ("transfer/serving", "transfer.serving"),
     ("transfer/vllm", "transfer.vllm"),
@@ -31,10 +32,10 @@ FORBIDDEN = {
     # Dataplane and control know byte ranges and opaque metadata only: no geometry, no
     # cache, no packer, and neither imports the other.
     "transfer/dataplane": ("transfer.geometry", "transfer.presets", "transfer.cache",
-                           "transfer.packer", "transfer.control", "transfer.model",
+                           "transfer.packer", "transfer.agent", "transfer.control", "transfer.model",
                            "transfer.serving", "transfer.bench", "transfer.cli"),
     "transfer/control": ("transfer.geometry", "transfer.presets", "transfer.cache",
-                         "transfer.packer", "transfer.dataplane", "transfer.model",
+                         "transfer.packer", "transfer.agent", "transfer.dataplane", "transfer.model",
                          "transfer.serving", "transfer.bench", "transfer.cli", "torch"),
     # The model computes; it never talks to peers.
     "transfer/model": ABOVE["transfer/model"] + ("transfer.control", "transfer.dataplane"),

@@ -92,11 +92,7 @@ def test_cache_pools_allocate_blocks_and_slots_atomically():
     with pytest.raises(CacheFullError, match="no free state slot"):
         pools.allocate("c", 1)  # blocks are free, slots are not: nothing changes
     assert pools.blocks.num_free == free_blocks and pools.num_requests == 2
-    with pytest.raises(CacheFullError, match="'a': growing to 1000000000 tokens needs"):
-        pools.extend("a", 10**9)
-    assert pools.get("a") == first and pools.blocks.num_free == free_blocks
-    grown = pools.extend("a", 4 * plan.block_size)
-    assert len(grown.block_ids) == 4 and pools.get("a") == grown
+    assert pools.get("a") == first
     pools.free("a")
     pools.free("b")
     assert (

@@ -14,16 +14,13 @@ from transfer.cli import build_parser, main
 from transfer.cli.launch_report import format_table, summarize
 from transfer.cli.launch_run import Outcome
 from transfer.presets import get_preset
+from transfer.serving.addresses import join_address, resolve, split_address
 from transfer.serving.instance import InstanceConfig, plan_for
-from transfer.serving.router import Router, join_address, resolve, split_address
-from transfer.serving.serve import (
-    auth_token,
-    check_exposure,
-    instance_config,
-    interface_of,
-    tls_configs,
-)
+from transfer.serving.interfaces import interface_of
+from transfer.serving.router import Router
+from transfer.serving.serve import instance_config
 from transfer.serving.serve_options import ANY_PORT, ServeOptions
+from transfer.serving.serve_security import auth_token, check_exposure, tls_configs
 
 
 @pytest.mark.parametrize("model", ["tiny-qwen3-next", "tiny-kimi-linear", "tiny-nemotron-h"])
@@ -31,7 +28,11 @@ def test_every_tp_plans_the_same_block_size(model):
     """A prefill and a decode instance of any TP can hand over: same block size."""
     geometry = get_preset(model)
     plans = [
-        plan_for(InstanceConfig(role, geometry, tp, budget_bytes=64 << 20, max_seqs=4))
+        plan_for(
+            InstanceConfig(
+                role, geometry, tp, budget_bytes=64 << 20, max_seqs=4, prefix_cache=False
+            )
+        )
         for role in ("prefill", "decode")
         for tp in geometry.valid_tps()
     ]
@@ -125,7 +126,7 @@ def test_router_addresses():
 def test_summary_percentiles_and_table():
     args = argparse.Namespace(
         model="tiny-qwen3-next", hf_config=None, transport="nixl", prefill_tp=2, decode_tp=1,
-        verify=True, prompt_len=8, max_tokens=2, transfer_mode="layerwise",
+        verify=True, prompt_len=8, max_tokens=2, transfer_mode="layerwise", ignore_eos=False,
     )  # fmt: skip
     outcomes = [
         Outcome(f"req-{i}", [1], tokens=[3, 4], ttft_ms=10.0 * (i + 1), transfer_ms=1.0 * (i + 1),

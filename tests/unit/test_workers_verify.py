@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from transfer.presets import get_preset
+from transfer.serving.snapshots import save_snapshot
 from transfer.serving.verify import (
     assemble_global,
     check_request,
     compare_snapshots,
-    save_snapshot,
     slice_for_rank,
     tokens_check,
 )

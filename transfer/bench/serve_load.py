@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from transfer.control.client import RouterClient
-from transfer.control.errors import ControlError
+from transfer.control.errors import ControlError, GrpcCode
 from transfer.control.types import GenerateRequest
 from transfer.stats import percentile
 
@@ -125,7 +125,7 @@ def run_load(
                 out.e2e_s = time.perf_counter() - start
                 return out.generated
             except ControlError as exc:
-                if exc.code != "RESOURCE_EXHAUSTED" or time.monotonic() > deadline:
+                if exc.code != GrpcCode.RESOURCE_EXHAUSTED or time.monotonic() > deadline:
                     out.error = str(exc)
                     return []
                 with lock:

@@ -19,11 +19,11 @@ import numpy as np
 from transfer.bench.prefill_model import stream_groups
 from transfer.bench.transfer_rank import (
     BUILD,
-    AddPeers,
+    BenchAddPeers,
+    BenchInfo,
     BenchRankSpec,
     Checksum,
     Drop,
-    Info,
     Prepare,
     ReadItem,
     Run,
@@ -157,8 +157,8 @@ class PairRun:
         p_tp, d_tp = len(self.instances.prefill), len(self.instances.decode)
         self.sides.append(Side(self._specs("prefill", p_tp, p_node), p_node, "prefill ranks"))
         self.sides.append(Side(self._specs("decode", d_tp, d_node), d_node, "decode ranks"))
-        metadata = tuple(self.prefill.call(Info(), SETUP_TIMEOUT_S))
-        self.decode.call(AddPeers(metadata), SETUP_TIMEOUT_S)
+        metadata = tuple(self.prefill.call(BenchInfo(), SETUP_TIMEOUT_S))
+        self.decode.call(BenchAddPeers(metadata), SETUP_TIMEOUT_S)
 
     def stop(self) -> None:
         # Decode first: a read still in flight finishes before its source goes away.

@@ -183,7 +183,7 @@ class BenchRank:
 
 
 @dataclass(frozen=True)
-class Info(RankCommand[bytes]):
+class BenchInfo(RankCommand[bytes]):
     """This rank's transport metadata."""
 
     def apply(self, worker: BenchRank) -> bytes:
@@ -191,7 +191,7 @@ class Info(RankCommand[bytes]):
 
 
 @dataclass(frozen=True)
-class AddPeers(RankCommand[None]):
+class BenchAddPeers(RankCommand[None]):
     metadata: tuple[bytes, ...]  # of every prefill rank
 
     def apply(self, worker: BenchRank) -> None:

@@ -14,6 +14,7 @@ import math
 import threading
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 
 from transfer.cache.extents import FreeExtents, count_runs
 from transfer.cache.lowest_free import FreeIds, LowestFree
@@ -25,20 +26,30 @@ class CacheFullError(CapacityError):
     """The pool has too few free blocks or slots; nothing was allocated."""
 
 
-BLOCK_POLICIES = ("contiguous", "lowest")
+class BlockPolicy(StrEnum):
+    """Which free ids a pool hands out: CONTIGUOUS, the fewest free runs; LOWEST, the
+    lowest ids first (the old allocator, kept for the benchmark)."""
+
+    CONTIGUOUS = "contiguous"
+    LOWEST = "lowest"
+
+
+BLOCK_POLICIES = tuple(BlockPolicy)
 
 
 class _IdPool:
     """Ids 0..n-1 with refcounts; `free` (a free list) decides which free ids to hand out."""
 
-    def __init__(self, size: int, what: str, policy: str = "lowest") -> None:
+    def __init__(self, size: int, what: str, policy: BlockPolicy = BlockPolicy.LOWEST) -> None:
         if isinstance(size, bool) or not isinstance(size, int) or size < 0:
             raise InvalidInput(f"num_{what}s must be an integer >= 0, got {size!r}")
         if policy not in BLOCK_POLICIES:
-            raise InvalidInput(f"policy must be one of {BLOCK_POLICIES}, got {policy!r}")
+            raise InvalidInput(f"policy must be one of {', '.join(BLOCK_POLICIES)}, got {policy!r}")
         self.size = size
         self.what = what
-        self.free: FreeIds = FreeExtents(size) if policy == "contiguous" else LowestFree(size)
+        self.free: FreeIds = (
+            FreeExtents(size) if policy == BlockPolicy.CONTIGUOUS else LowestFree(size)
+        )
         self.refs: dict[int, int] = {}
 
     @property
@@ -96,7 +107,7 @@ class BlockPool:
     can go stale, and evicting a block coalesces it with its free neighbours.
     """
 
-    def __init__(self, num_blocks: int, policy: str = "contiguous") -> None:
+    def __init__(self, num_blocks: int, policy: BlockPolicy = BlockPolicy.CONTIGUOUS) -> None:
         self._ids = _IdPool(num_blocks, "block", policy)
         self.policy = policy
         self._tables: dict[Hashable, list[int]] = {}
@@ -256,7 +267,7 @@ class CachePools:
         spec_slots_per_request: int = 0,
         uses_blocks: bool = True,
         uses_slots: bool = True,
-        block_policy: str = "contiguous",
+        block_policy: BlockPolicy = BlockPolicy.CONTIGUOUS,
     ) -> None:
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise InvalidInput(f"block_size must be an integer >= 1, got {block_size!r}")
@@ -272,7 +283,10 @@ class CachePools:
 
     @classmethod
     def from_plan(
-        cls, plan: MemoryPlan, spec_slots_per_request: int = 0, block_policy: str = "contiguous"
+        cls,
+        plan: MemoryPlan,
+        spec_slots_per_request: int = 0,
+        block_policy: BlockPolicy = BlockPolicy.CONTIGUOUS,
     ) -> CachePools:
         """Pools sized by the memory plan (`num_state_slots` counts the speculative slots;
         the checkpoint slots are the prefix cache's, not the pool's)."""
@@ -319,27 +333,6 @@ class CachePools:
             slots = self.slots.allocate(request_id) if self.uses_slots else []
             cache = RequestCache(
                 request_id, num_tokens, tuple(prefix_blocks) + tuple(blocks), tuple(slots)
-            )
-            self._requests[request_id] = cache
-            return cache
-
-    def extend(self, request_id: Hashable, num_tokens: int) -> RequestCache:
-        """Grow a request to `num_tokens` (decode), allocating the extra blocks atomically."""
-        with self._lock:
-            cache = self._get(request_id)
-            if num_tokens < cache.num_tokens:
-                raise InvalidInput(
-                    f"num_tokens {num_tokens} is below the request's {cache.num_tokens}"
-                )
-            extra = self.blocks_for(num_tokens) - len(cache.block_ids)
-            if not self.blocks.can_allocate(extra):
-                raise CacheFullError(
-                    f"request {request_id!r}: growing to {num_tokens} tokens needs {extra} more "
-                    f"blocks, {self.blocks.num_free} of {self.blocks.num_total} free"
-                )
-            new = self.blocks.allocate(extra, request_id) if extra else []
-            cache = RequestCache(
-                request_id, num_tokens, cache.block_ids + tuple(new), cache.slot_ids
             )
             self._requests[request_id] = cache
             return cache

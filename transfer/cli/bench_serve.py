@@ -19,6 +19,7 @@ from transfer.cli.model_args import (
     add_served_model_arguments,
 )
 from transfer.errors import InvalidInput
+from transfer.serving.serve_options import serve_default
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -31,7 +32,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "end-to-end latency and transfer time per concurrency, and the decode instance's "
         "mean batch size and step time (from its /metrics).",
     )
-    add_served_model_arguments(parser, default_model="tiny-qwen3-next")
+    add_served_model_arguments(parser)
     parser.add_argument(
         "--concurrency",
         default="1,4,16,32",
@@ -80,8 +81,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--max-tokens", type=int, default=32, help="tokens per request (default 32)"
     )
-    parser.add_argument("--prefill-tp", type=int, default=1, help="(default 1)")
-    parser.add_argument("--decode-tp", type=int, default=1, help="(default 1)")
+    parser.add_argument(
+        "--prefill-tp", type=int, default=serve_default("tp"), help="(default %(default)s)"
+    )
+    parser.add_argument(
+        "--decode-tp", type=int, default=serve_default("tp"), help="(default %(default)s)"
+    )
     parser.add_argument(
         "--max-num-seqs",
         type=int,
@@ -91,16 +96,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--max-num-batched-tokens",
         type=int,
-        default=2048,
-        help="prompt tokens per prefill step (serve's flag; default 2048)",
+        default=serve_default("max_num_batched_tokens"),
+        help="prompt tokens per prefill step (serve's flag; default %(default)s)",
     )
     parser.add_argument(
-        "--transport", choices=["nixl", "ucx"], default="nixl", help="(default nixl)"
+        "--transport",
+        choices=["nixl", "ucx"],
+        default=serve_default("transport"),
+        help="(default %(default)s)",
     )
     parser.add_argument(
-        "--gpu-mem", default="256MiB", help="cache memory per rank (default 256MiB)"
+        "--gpu-mem",
+        default=serve_default("gpu_mem"),
+        help="cache memory per rank (default %(default)s)",
     )
-    parser.add_argument("--seed", type=int, default=0, help="weights and prompts seed (default 0)")
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=serve_default("seed"),
+        help="weights and prompts seed (default %(default)s)",
+    )
     parser.add_argument(
         "--timeout", type=float, default=600.0, help="seconds per concurrency level (default 600)"
     )

@@ -20,13 +20,14 @@ from pathlib import Path
 
 from transfer.cli.launch_config import LaunchConfig
 from transfer.cli.launch_report import format_table, summarize
-from transfer.cli.launch_run import Progress, References, send_all, verify_outcomes
+from transfer.cli.launch_run import Progress, References, cut_at_end, send_all, verify_outcomes
 from transfer.cli.model_args import (
     add_local_prefix_cache_arguments,
     add_local_transfer_mode_arguments,
     add_served_model_arguments,
 )
 from transfer.errors import InvalidInput
+from transfer.serving.serve_options import serve_default
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -37,7 +38,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "on localhost, send N requests at once, print TTFT, transfer time, bytes, descriptors "
         "and tokens/s per request, and shut everything down (Ctrl-C included).",
     )
-    add_served_model_arguments(parser, default_model="tiny-qwen3-next")
+    add_served_model_arguments(parser)
     parser.add_argument(
         "--prompts",
         metavar="FILE",
@@ -45,15 +46,37 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help='JSONL, one request per line: {"prompt_token_ids": [...]} or {"prompt": "text"} '
         "(text needs the checkpoint's tokenizer.json); default: --requests random prompts",
     )
-    parser.add_argument("--prefill-tp", type=int, default=1, help="prefill TP ranks (default 1)")
-    parser.add_argument("--decode-tp", type=int, default=1, help="decode TP ranks (default 1)")
     parser.add_argument(
-        "--transport", choices=["nixl", "ucx"], default="nixl", help="data plane (default nixl)"
+        "--prefill-tp",
+        type=int,
+        default=serve_default("tp"),
+        help="prefill TP ranks (default %(default)s)",
+    )
+    parser.add_argument(
+        "--decode-tp",
+        type=int,
+        default=serve_default("tp"),
+        help="decode TP ranks (default %(default)s)",
+    )
+    parser.add_argument(
+        "--transport",
+        choices=["nixl", "ucx"],
+        default=serve_default("transport"),
+        help="data plane (default %(default)s)",
     )
     parser.add_argument("--requests", type=int, default=4, help="requests sent at once (default 4)")
     parser.add_argument("--prompt-len", type=int, default=64, help="prompt tokens (default 64)")
     parser.add_argument(
-        "--max-tokens", type=int, default=16, help="tokens generated per request (default 16)"
+        "--max-tokens",
+        type=int,
+        default=16,
+        help="most tokens generated per request; a request ends earlier at the checkpoint's "
+        "eos_token_id, which is kept as its last token (default 16)",
+    )
+    parser.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="generate all --max-tokens tokens, past any end token (fixed lengths, for benchmarks)",
     )
     parser.add_argument(
         "--verify",
@@ -61,18 +84,38 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="check caches bit for bit after each transfer and tokens against a TP=1 run",
     )
     parser.add_argument("--json", action="store_true", help="print JSON (a public interface)")
-    parser.add_argument("--seed", type=int, default=0, help="weights and prompts seed (default 0)")
-    parser.add_argument("--gpu-mem", default="64MiB", help="cache memory per rank (default 64MiB)")
-    parser.add_argument("--block-size", type=int, default=16, help="min KV block size (default 16)")
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="(default cpu)")
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=serve_default("seed"),
+        help="weights and prompts seed (default %(default)s)",
+    )
+    parser.add_argument(
+        "--gpu-mem",
+        default=serve_default("gpu_mem"),
+        help="cache memory per rank (default %(default)s)",
+    )
+    parser.add_argument(
+        "--block-size",
+        type=int,
+        default=serve_default("block_size"),
+        help="min KV block size (default %(default)s)",
+    )
+    parser.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default=serve_default("device"),
+        help="(default %(default)s)",
+    )
     parser.add_argument(
         "--timeout", type=float, default=300.0, help="seconds for startup and for the requests"
     )
     parser.add_argument(
         "--staging-mib",
         type=int,
-        default=8,
-        help="each worker's staging pool per rank; 0 reads every range directly (default 8)",
+        default=serve_default("staging_mib"),
+        help="each worker's staging pool per rank; 0 reads every range directly "
+        "(default %(default)s)",
     )
     add_local_prefix_cache_arguments(parser)
     add_local_transfer_mode_arguments(parser)
@@ -115,6 +158,7 @@ def launch(config: LaunchConfig) -> int:
     from transfer.presets import load_geometry, looks_like_path
     from transfer.serving.instance import InstanceConfig, plan_for
     from transfer.serving.local import LocalPair, LocalPairConfig
+    from transfer.serving.openai.served import load_served_model
     from transfer.serving.openai.text import TextCodec
     from transfer.units import parse_size
 
@@ -126,6 +170,8 @@ def launch(config: LaunchConfig) -> int:
     else:
         prompts = _prompts(config.requests, config.prompt_len, geometry.vocab_size, config.seed,
                            config.shared_prefix)  # fmt: skip
+    # The end tokens the HTTP API stops at (none for a preset, which names none).
+    end_tokens = () if config.ignore_eos else load_served_model(config.model).eos_token_ids
     budget = parse_size(config.gpu_mem, "--gpu-mem")
     for role, tp in (("prefill", config.prefill_tp), ("decode", config.decode_tp)):
         try:  # what each serve process will plan, checked before anything starts
@@ -178,15 +224,16 @@ def launch(config: LaunchConfig) -> int:
         say.line(f"router at {address}; sending {len(prompts)} requests")
         first = 1 if config.shared_prefix else 0  # it fills the cache the others may hit
         outcomes = send_all(address, pair.token, prompts[:first], config.max_tokens,
-                            config.timeout, say)  # fmt: skip
+                            config.timeout, say, end_tokens=end_tokens)  # fmt: skip
         outcomes += send_all(address, pair.token, prompts[first:], config.max_tokens,
-                             config.timeout, say, start_index=first)  # fmt: skip
+                             config.timeout, say, start_index=first,
+                             end_tokens=end_tokens)  # fmt: skip
         if config.verify:
             say.line("verifying")
             verify_outcomes(
                 geometry,
                 outcomes,
-                references.get(config.timeout),
+                [cut_at_end(tokens, end_tokens) for tokens in references.get(config.timeout)],
                 dump_dir,
                 config.prefill_tp,
                 config.decode_tp,

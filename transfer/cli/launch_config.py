@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from transfer.errors import InvalidInput
-from transfer.serving.progress import DEFAULT_STREAM_LAYERS
+from transfer.serving.serve_options import serve_default
 
 _AT_LEAST_ONE = (
     "prefill_tp",
@@ -25,28 +25,29 @@ class LaunchConfig:
     bounds startup and, separately, the requests (seconds)."""
 
     model: str
-    ssm_dtype: str = "auto"
+    ssm_dtype: str = serve_default("ssm_dtype")
     prompts: str | None = None
-    prefill_tp: int = 1
-    decode_tp: int = 1
-    transport: str = "nixl"
+    prefill_tp: int = serve_default("tp")
+    decode_tp: int = serve_default("tp")
+    transport: str = serve_default("transport")
     requests: int = 4
     prompt_len: int = 64
     max_tokens: int = 16
+    ignore_eos: bool = False
     verify: bool = False
     json: bool = False
-    seed: int = 0
-    gpu_mem: str = "64MiB"
-    block_size: int = 16
-    device: str = "cpu"
+    seed: int = serve_default("seed")
+    gpu_mem: str = serve_default("gpu_mem")
+    block_size: int = serve_default("block_size")
+    device: str = serve_default("device")
     timeout: float = 300.0
     keep_logs: bool = False
-    staging_mib: int = 8
-    prefix_cache: bool = True
+    staging_mib: int = serve_default("staging_mib")
+    prefix_cache: bool = serve_default("prefix_cache")
     shared_prefix: int = 0
-    checkpoint_interval: int = 0
-    transfer_mode: str = "whole"
-    stream_layers: int = DEFAULT_STREAM_LAYERS
+    checkpoint_interval: int = serve_default("checkpoint_interval")
+    transfer_mode: str = serve_default("transfer_mode")
+    stream_layers: int = serve_default("stream_layers")
 
     def __post_init__(self) -> None:
         for name in _AT_LEAST_ONE:

@@ -3,16 +3,35 @@ while showing progress, and check each one (--verify)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
 import time
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from transfer.geometry import ModelGeometry
+
+
+class FinishReason(str, Enum):
+    """Why a request's tokens ended: an end token (kept as the last token, as transformers'
+    `generate` returns it) or `--max-tokens`."""
+
+    STOP = "stop"
+    LENGTH = "length"
+
+
+def cut_at_end(tokens: Sequence[int], end_tokens: Collection[int]) -> list[int]:
+    """`tokens` up to and including the first end token (all of them when none is there)."""
+    for index, token in enumerate(tokens):
+        if token in end_tokens:
+            return list(tokens[: index + 1])
+    return list(tokens)
 
 
 @dataclass
@@ -33,6 +52,7 @@ class Outcome:
     wall_s: float = 0.0
     error: str = ""
     problems: list[str] = field(default_factory=list)
+    finish_reason: FinishReason = FinishReason.LENGTH
     done: bool = False
 
     @property
@@ -76,9 +96,12 @@ def send_all(
     timeout_s: float,
     say: Progress,
     start_index: int = 0,
+    end_tokens: Collection[int] = (),
 ) -> list[Outcome]:
     """Send every prompt through the router at once; each outcome is filled by its own
-    thread. Requests still unanswered after `timeout_s` are marked as failed."""
+    thread. A request stops at the first of `end_tokens` it generates (closing its stream
+    cancels it on both sides). Requests still unanswered after `timeout_s` are marked as
+    failed."""
     from transfer.control.client import RouterClient
     from transfer.control.types import GenerateRequest
 
@@ -91,15 +114,19 @@ def send_all(
         start = time.perf_counter()
         try:
             request = GenerateRequest(out.request_id, tuple(out.prompt), max_tokens)
-            for event in client.generate(request):
-                if event.index == 0:
-                    out.ttft_ms, out.transfer_ms = event.ttft_ms, event.transfer_ms
-                    out.exposed_transfer_ms = event.exposed_transfer_ms
-                    out.kv_bytes, out.state_bytes = event.kv_bytes, event.state_bytes
-                    out.descriptors = event.descriptors
-                    out.cached_prompt_tokens = event.cached_prompt_tokens
-                    out.reused_decode_tokens = event.reused_decode_tokens
-                out.tokens.append(event.token)
+            with contextlib.closing(client.generate(request)) as events:
+                for event in events:
+                    if event.index == 0:
+                        out.ttft_ms, out.transfer_ms = event.ttft_ms, event.transfer_ms
+                        out.exposed_transfer_ms = event.exposed_transfer_ms
+                        out.kv_bytes, out.state_bytes = event.kv_bytes, event.state_bytes
+                        out.descriptors = event.descriptors
+                        out.cached_prompt_tokens = event.cached_prompt_tokens
+                        out.reused_decode_tokens = event.reused_decode_tokens
+                    out.tokens.append(event.token)
+                    if event.token in end_tokens:
+                        out.finish_reason = FinishReason.STOP
+                        break
         except Exception as exc:  # a failed request is a row in the table, not a crash
             out.error = str(exc) or type(exc).__name__
         finally:

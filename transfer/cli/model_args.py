@@ -8,7 +8,8 @@ import argparse
 import os
 
 from transfer.presets import PRESETS
-from transfer.serving.progress import DEFAULT_STREAM_LAYERS, TRANSFER_MODES
+from transfer.serving.progress import TRANSFER_MODES
+from transfer.serving.serve_options import serve_default
 
 SSM_DTYPES = ("auto", "float32", "bfloat16")
 
@@ -18,7 +19,8 @@ def model_source(value: str) -> str:
     return os.path.abspath(value) if os.path.isdir(value) else value
 
 
-def add_served_model_arguments(parser: argparse.ArgumentParser, default_model: str) -> None:
+def add_served_model_arguments(parser: argparse.ArgumentParser) -> None:
+    default_model = serve_default("model")
     parser.add_argument(
         "--model",
         metavar="NAME|DIR",
@@ -31,8 +33,8 @@ def add_served_model_arguments(parser: argparse.ArgumentParser, default_model: s
     parser.add_argument(
         "--ssm-dtype",
         choices=SSM_DTYPES,
-        default="auto",
-        help="dtype of the cached recurrent state; auto (default): the config's "
+        default=serve_default("ssm_dtype"),
+        help="dtype of the cached recurrent state (default %(default)s); auto: the config's "
         "mamba_ssm_dtype if it has one, else the model's dtype",
     )
 
@@ -41,17 +43,16 @@ def add_local_transfer_mode_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--transfer-mode",
         choices=TRANSFER_MODES,
-        default="whole",
-        help="both instances' (serve's flag): whole (default) reads a request once prefill "
+        default=serve_default("transfer_mode"),
+        help="both instances' (serve's flag; default %(default)s): whole reads a request once prefill "
         "finished it; layerwise streams each group of layers as prefill finishes it",
     )
     parser.add_argument(
         "--stream-layers",
         type=int,
-        default=DEFAULT_STREAM_LAYERS,
+        default=serve_default("stream_layers"),
         metavar="N",
-        help=f"with --transfer-mode layerwise: layers per streaming group (default "
-        f"{DEFAULT_STREAM_LAYERS})",
+        help="with --transfer-mode layerwise: layers per streaming group (default %(default)s)",
     )
 
 
@@ -59,14 +60,14 @@ def add_local_prefix_cache_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--prefix-cache",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="the instances' prefix caches (serve's flag; default on)",
+        default=serve_default("prefix_cache"),
+        help="the instances' prefix caches (serve's flag; default %(default)s)",
     )
     parser.add_argument(
         "--checkpoint-interval",
         type=int,
-        default=0,
+        default=serve_default("checkpoint_interval"),
         metavar="TOKENS",
         help="with --prefix-cache: also checkpoint every TOKENS prompt tokens (serve's flag; "
-        "default 0, prompt ends only)",
+        "default %(default)s; 0: prompt ends only)",
     )

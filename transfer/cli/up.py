@@ -9,15 +9,15 @@ import shutil
 import signal
 import sys
 import tempfile
-import time
 import uuid
 from pathlib import Path
 
-from transfer.cli.model_args import add_local_prefix_cache_arguments, add_served_model_arguments
-from transfer.cli.serve import add_http_arguments
+from transfer.cli.model_args import add_served_model_arguments
+from transfer.cli.serve import add_http_arguments, add_instance_arguments, instance_option_names
+from transfer.cli.vllm_args import add_connector_argument, add_vllm_server_arguments
 from transfer.errors import InvalidInput
-
-WATCH_INTERVAL_S = 0.5
+from transfer.serving.serve_options import RouterBackend, serve_default, serve_flags
+from transfer.serving.supervise import RestartPolicy
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -26,17 +26,42 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="serve the OpenAI API from a local router, prefill and decode instances",
         description="Start prefill and decode instances (each with its own TP) and a router "
         "with the OpenAI-compatible HTTP API on this machine, print the URL, and serve until "
-        "Ctrl-C or SIGTERM; then stop everything, leaving no process.",
+        "Ctrl-C or SIGTERM; then stop everything, leaving no process. A prefill or decode "
+        "instance that dies is started again (see --max-restarts) while the router serves "
+        "the others; restarts are counted at the printed `up` metrics URL. Logs go to a "
+        "folder printed at start-up, removed on a clean stop (a killed `up` leaves it). "
+        "With --engine vllm the instances are vLLM OpenAI servers (--vllm-python) whose KV "
+        "connector (--connector) moves the cache, and --model must be a checkpoint directory.",
     )
-    add_served_model_arguments(parser, default_model="tiny-qwen3-next")
+    parser.add_argument(
+        "--engine",
+        choices=[engine.value for engine in RouterBackend],
+        default=serve_default("engine").value,
+        help="pdxfer (default): pdxfer's own workers; vllm: one vLLM prefill and one vLLM "
+        "decode server with a KV connector (the flags of pdxfer's workers, e.g. --transport, "
+        "--gpu-mem, --max-seqs, do not apply)",
+    )
+    add_connector_argument(parser)
+    add_vllm_server_arguments(parser)
+    add_served_model_arguments(parser)
     parser.add_argument("--prefill-instances", type=int, default=1, help="(default 1)")
     parser.add_argument("--decode-instances", type=int, default=1, help="(default 1)")
-    parser.add_argument("--prefill-tp", type=int, default=1, help="TP of each prefill (default 1)")
-    parser.add_argument("--decode-tp", type=int, default=1, help="TP of each decode (default 1)")
+    parser.add_argument(
+        "--prefill-tp",
+        type=int,
+        default=serve_default("tp"),
+        help="TP of each prefill (default %(default)s)",
+    )
+    parser.add_argument(
+        "--decode-tp",
+        type=int,
+        default=serve_default("tp"),
+        help="TP of each decode (default %(default)s)",
+    )
     parser.add_argument(
         "--host",
-        default="127.0.0.1",
-        help="bind address of every process (default 127.0.0.1): the HTTP API, and each "
+        default=serve_default("host"),
+        help="bind address of every process (default %(default)s): the HTTP API, and each "
         "instance's gRPC, data plane and /metrics. gRPC gets a fresh token; off loopback the "
         "HTTP API needs --api-key-file unless --insecure; /metrics is open to whoever "
         "reaches it",
@@ -46,21 +71,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="serve the HTTP API on a non-loopback --host without an API key",
     )
-    parser.add_argument(
-        "--transport", choices=["nixl", "ucx"], default="nixl", help="data plane (default nixl)"
-    )
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="(default cpu)")
-    parser.add_argument(
-        "--gpu-mem", default="256MiB", help="cache memory per rank (default 256MiB)"
-    )
-    parser.add_argument(
-        "--max-seqs", type=int, default=16, help="live requests per instance (default 16)"
-    )
-    parser.add_argument("--block-size", type=int, default=16, help="min KV block size (default 16)")
-    parser.add_argument("--seed", type=int, default=0, help="weight seed of a preset (default 0)")
-    add_local_prefix_cache_arguments(parser)
+    add_instance_arguments(parser)  # serve's, passed to every instance
     parser.add_argument(
         "--timeout", type=float, default=300.0, help="seconds to wait for start-up (default 300)"
+    )
+    policy = RestartPolicy()
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=policy.max_restarts,
+        metavar="N",
+        help=f"{policy.describe()} (default {policy.max_restarts})",
     )
     http = parser.add_argument_group("HTTP")
     add_http_arguments(http, default_port=8000)
@@ -68,27 +89,34 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from transfer.serving.http_front import api_key
+    from transfer.serving.role import ServeRole
+    from transfer.serving.serve_options import ServeOptions
+    from transfer.serving.serve_security import check_http_exposure
+
+    key = api_key(ServeOptions(ServeRole.ROUTER, api_key_file=args.api_key_file))
+    check_http_exposure(args.host, key, args.insecure)
+    if RouterBackend(args.engine) is RouterBackend.VLLM:
+        from transfer.cli.up_vllm import run_vllm_up
+
+        return run_vllm_up(args)
     from transfer.presets import looks_like_path
     from transfer.serving.procs import (
         LAUNCH_ID_ENV,
         check_health,
         start_serve,
-        stop_all,
         wait_ready,
     )
-    from transfer.serving.serve import api_key, check_http_exposure
-    from transfer.serving.serve_options import ServeOptions
+    from transfer.serving.role import ServeRole
+    from transfer.serving.supervise import Supervisor
 
     for flag in ("prefill_instances", "decode_instances", "prefill_tp", "decode_tp", "max_seqs"):
         if getattr(args, flag) < 1:
             raise InvalidInput(f"--{flag.replace('_', '-')} must be >= 1")
+    if args.max_restarts < 0:
+        raise InvalidInput(f"--max-restarts must be >= 0, got {args.max_restarts}")
     if looks_like_path(args.model):  # the children resolve it from their own directory
         args.model = str(Path(args.model).resolve())
-    check_http_exposure(
-        args.host,
-        api_key(ServeOptions("router", api_key_file=args.api_key_file)),
-        args.insecure,
-    )
     context = _context_held(args)
     if args.max_model_len is not None:
         context = min(context, args.max_model_len)
@@ -98,30 +126,30 @@ def run(args: argparse.Namespace) -> int:
         LAUNCH_ID_ENV: os.environ.get(LAUNCH_ID_ENV) or uuid.uuid4().hex,
         "PDXFER_AUTH_TOKEN": uuid.uuid4().hex,  # the control plane's, not the API key
     }
-    common = [
-        "--host", args.host, "--port", "0", "--model", args.model, "--ssm-dtype", args.ssm_dtype,
-        "--transport", args.transport, "--gpu-mem", args.gpu_mem, "--device", args.device,
-        "--max-seqs", str(args.max_seqs), "--block-size", str(args.block_size),
-        "--seed", str(args.seed), "--prefix-cache" if args.prefix_cache else "--no-prefix-cache",
-        "--checkpoint-interval", str(args.checkpoint_interval),
-    ]  # fmt: skip
-    procs, keep = [], False
+    # Without --port: the supervisor picks it (any at first, the same one on a restart).
+    common = serve_flags(
+        {"host": args.host, "model": args.model, "ssm_dtype": args.ssm_dtype}
+        | {name: getattr(args, name) for name in instance_option_names()}
+    )
+    policy = RestartPolicy(max_restarts=args.max_restarts)
+    supervisor = Supervisor(run_dir, env, policy, _say, start_timeout_s=args.timeout)
+    router, keep = None, False
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         _say(f"starting {args.prefill_instances} prefill (tp {args.prefill_tp}) and "
-             f"{args.decode_instances} decode (tp {args.decode_tp}); logs in {run_dir}")  # fmt: skip
-        workers = []
+             f"{args.decode_instances} decode (tp {args.decode_tp}); logs in {run_dir} "
+             "(removed on a clean stop, left behind if `up` is killed)")  # fmt: skip
         for role, count, tp in (
-            ("prefill", args.prefill_instances, args.prefill_tp),
-            ("decode", args.decode_instances, args.decode_tp),
+            (ServeRole.PREFILL, args.prefill_instances, args.prefill_tp),
+            (ServeRole.DECODE, args.decode_instances, args.decode_tp),
         ):
             for i in range(count):
                 name = f"{role}-{i}"
                 flags = [*common, "--tp", str(tp), "--instance-id", name,
                          "--metrics-port", "any"]  # fmt: skip
-                workers.append(start_serve(role, flags, run_dir / name, env))
-        procs += workers
-        wait_ready(workers, args.timeout)
+                supervisor.start(role, name, flags)
+        supervisor.wait_ready(args.timeout)
+        workers = supervisor.processes
         router_flags = [
             "--host", args.host, "--port", "0", "--metrics-port", "0", "--model", args.model,
             "--http-port", str(http_port), "--max-model-len", str(context),
@@ -130,11 +158,12 @@ def run(args: argparse.Namespace) -> int:
             *(["--insecure"] if args.insecure else []),
             *[f for w in workers for f in (f"--{w.role}", w.address)],
         ]  # fmt: skip
-        procs.append(start_serve("router", router_flags, run_dir / "router", env))
-        wait_ready(procs[-1:], args.timeout)
-        check_health(procs, args.timeout)
-        _print_ready(args, workers, procs[-1], http_port)
-        _watch(procs)
+        router = start_serve(ServeRole.ROUTER, router_flags, run_dir / "router", env)
+        wait_ready([router], args.timeout)
+        check_health([*workers, router], args.timeout)
+        metrics_port = supervisor.serve_metrics(args.host)
+        _print_ready(args, workers, router, http_port, metrics_port, run_dir)
+        supervisor.watch(router)
     except KeyboardInterrupt:
         _say("stopping")
     except RuntimeError as exc:  # a process that would not start or died: its log tail
@@ -143,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     finally:
         signal.signal(signal.SIGTERM, previous)
-        stop_all(procs)
+        supervisor.stop([router] if router is not None else [])
         if keep:
             print(f"pdxfer up: logs kept in {run_dir}", file=sys.stderr)
         else:
@@ -165,6 +194,7 @@ def _context_held(args: argparse.Namespace) -> int:
             config = InstanceConfig(
                 role, geometry, model=args.model, ssm_dtype=args.ssm_dtype, tp=tp,
                 budget_bytes=budget, max_seqs=args.max_seqs, min_block_size=args.block_size,
+                prefix_cache=args.prefix_cache, state_checkpoints=args.state_checkpoints,
             )  # fmt: skip
             plan = plan_for(config)
         except ValueError as exc:
@@ -180,25 +210,17 @@ def _free_port(host: str) -> int:
     return free_port(host)
 
 
-def _print_ready(args, workers, router, http_port: int) -> None:
-    from transfer.serving.router import join_address
+def _print_ready(args, workers, router, http_port: int, metrics_port: int, run_dir) -> None:
+    from transfer.serving.addresses import join_address
 
     base = f"http://{join_address(args.host, http_port)}"
     for proc in workers:
         metrics = f"http://{join_address(args.host, proc.metrics_port)}/metrics"
         print(f"{proc.role:8s} {proc.address}  metrics {metrics}", flush=True)
     print(f"router   {router.address}", flush=True)
+    up_metrics = f"http://{join_address(args.host, metrics_port)}/metrics"
+    print(f"up       restarts at {up_metrics}; logs in {run_dir}", flush=True)
     print(f"OpenAI API at {base}/v1 (health {base}/health); Ctrl-C to stop", flush=True)
-
-
-def _watch(procs) -> None:
-    """Serve until interrupted; RuntimeError when a process exits on its own."""
-    while True:
-        for proc in procs:
-            code = proc.popen.poll()
-            if code is not None:
-                raise RuntimeError(f"serve {proc.role} exited with code {code}:\n{proc.log_tail()}")
-        time.sleep(WATCH_INTERVAL_S)
 
 
 def _say(text: str) -> None:

@@ -11,7 +11,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from transfer.control import convert
 from transfer.control.auth import TlsConfig, channel_credentials, token_metadata
 from transfer.control.decode_mux import DecodeMux
-from transfer.control.errors import ControlError, control_error_of
+from transfer.control.errors import ControlError, GrpcCode, control_error_of
 from transfer.control.gen import transfer_pb2, transfer_pb2_grpc, worker_pb2, worker_pb2_grpc
 from transfer.control.types import (
     DecodeRequest,
@@ -85,7 +85,7 @@ class _Client:
             grpc.channel_ready_future(self._channel).result(timeout=timeout_s)
         except grpc.FutureTimeoutError:
             raise ControlError(
-                "UNAVAILABLE", f"{self.address} not reachable within {timeout_s}s"
+                GrpcCode.UNAVAILABLE, f"{self.address} not reachable within {timeout_s}s"
             ) from None
 
     def close(self) -> None:
@@ -187,7 +187,7 @@ class PrefillClient(_Client):
 
 class DecodeClient(_Client):
     """A decode instance's DecodeService. Every `decode` shares one DecodeMany call
-    (`transfer.control.decode_mux`); `decode_alone` is a Decode call of its own."""
+    (`transfer.control.decode_mux`)."""
 
     def __init__(self, address: str, **kwargs):
         super().__init__(address, **kwargs)
@@ -202,12 +202,6 @@ class DecodeClient(_Client):
     def decode(self, request: DecodeRequest) -> Iterator[TokenEvent]:
         """The request's token stream, over the shared DecodeMany call."""
         return self._mux.decode(request)
-
-    def decode_alone(self, request: DecodeRequest) -> Iterator[TokenEvent]:
-        """The request's token stream, over a Decode call of its own."""
-        return self._stream(
-            self._stub.Decode, convert.decode_request_to_pb(request), convert.token_event_from_pb
-        )
 
     def close(self) -> None:
         self._mux.close()

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Iterator
 import grpc
 
 from transfer.control import convert
-from transfer.control.errors import status_of
+from transfer.control.errors import GrpcCode, status_of
 from transfer.control.gen import worker_pb2
 from transfer.control.types import DecodeRequest, TokenEvent
 
@@ -87,12 +87,12 @@ class DecodeManyCall:
         with self._lock:
             if stream_id in self._running:
                 refusal = worker_pb2.DecodeEnd(
-                    code="INVALID_ARGUMENT",
+                    code=GrpcCode.INVALID_ARGUMENT,
                     details=f"stream_id: {stream_id} names a decode that is still running",
                 )
             elif self._draining.is_set():
                 refusal = worker_pb2.DecodeEnd(
-                    code="UNAVAILABLE", details="the decode instance is shutting down"
+                    code=GrpcCode.UNAVAILABLE, details="the decode instance is shutting down"
                 )
             else:
                 refusal = None
@@ -114,7 +114,9 @@ class DecodeManyCall:
                 token = convert.token_event_to_pb(event)
                 self._outbox.put(worker_pb2.DecodeEvent(stream_id=stream_id, token=token))
                 if cancelled.is_set():
-                    end = worker_pb2.DecodeEnd(code="CANCELLED", details="the caller cancelled")
+                    end = worker_pb2.DecodeEnd(
+                        code=GrpcCode.CANCELLED, details="the caller cancelled"
+                    )
                     break
         except Exception as exc:  # every failure ends its own decode, never the call
             end = _end_of(exc)
@@ -143,6 +145,6 @@ class DecodeManyCall:
 
 def _end_of(exc: Exception) -> worker_pb2.DecodeEnd:
     code, details = status_of(exc)
-    if code == "INTERNAL":
+    if code == GrpcCode.INTERNAL:
         logger.exception("DecodeMany: a decode failed")
     return worker_pb2.DecodeEnd(code=code, details=details)

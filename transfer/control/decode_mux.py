@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from transfer.control import convert
-from transfer.control.errors import ControlError, control_error_of
+from transfer.control.errors import ControlError, GrpcCode, control_error_of
 from transfer.control.gen import worker_pb2
 from transfer.control.types import DecodeRequest, TokenEvent
 
@@ -55,7 +55,7 @@ class DecodeMux:
         inbox: queue.SimpleQueue = queue.SimpleQueue()
         with self._lock:
             if self._closed:
-                raise ControlError("CANCELLED", "the decode client is closed")
+                raise ControlError(GrpcCode.CANCELLED, "the decode client is closed")
             session = self._session if self._session is not None else self._open()
             stream_id = next(self._stream_ids)
             session.inboxes[stream_id] = inbox
@@ -100,7 +100,7 @@ class DecodeMux:
         return session
 
     def _read(self, session: _Session) -> None:
-        ended = ControlError("UNAVAILABLE", "the DecodeMany call ended")
+        ended = ControlError(GrpcCode.UNAVAILABLE, "the DecodeMany call ended")
         try:
             for message in session.call:
                 with self._lock:

@@ -6,6 +6,8 @@ status code; the client raises `ControlError` carrying the code the server answe
 
 from __future__ import annotations
 
+from enum import StrEnum
+
 import grpc
 
 from transfer.errors import (
@@ -20,6 +22,10 @@ from transfer.errors import (
     TransferFailed,
     WrongState,
 )
+
+# A gRPC status code by name, as it travels in DecodeEnd.code and in ControlError.code. A
+# StrEnum, so a code compares equal to its name ("NOT_FOUND"); the members are grpc's own.
+GrpcCode = StrEnum("GrpcCode", [(code.name, code.name) for code in grpc.StatusCode])
 
 
 class UnknownRequest(NotFound):
@@ -46,44 +52,45 @@ class NotPermitted(WrongState):
 class ControlError(PdxferError):
     """A failed control-plane call, as the client sees it.
 
-    `code` is the gRPC status code name (e.g. "NOT_FOUND"); `details` the server's message.
+    `code` is the gRPC status code (a name such as "NOT_FOUND" is taken too; one that names
+    no code becomes UNKNOWN); `details` the server's message.
     """
 
-    def __init__(self, code: str, details: str):
-        super().__init__(f"{code}: {details}")
-        self.code = code
+    def __init__(self, code: GrpcCode | str, details: str):
+        self.code = GrpcCode(code) if code in GrpcCode.__members__ else GrpcCode.UNKNOWN
+        super().__init__(f"{self.code}: {details}")
         self.details = details
 
 
 # Most specific first: Closed is a RuntimeError like WrongState, but not a WrongState.
-_CODES: tuple[tuple[type[BaseException], str], ...] = (
-    (InvalidInput, "INVALID_ARGUMENT"),
-    (NotPermitted, "PERMISSION_DENIED"),
-    (NotFound, "NOT_FOUND"),
-    (WrongState, "FAILED_PRECONDITION"),
-    (CapacityError, "RESOURCE_EXHAUSTED"),
-    (PeerUnavailable, "UNAVAILABLE"),
-    (DeadlineExceeded, "DEADLINE_EXCEEDED"),
-    (TransferFailed, "ABORTED"),
-    (Closed, "UNAVAILABLE"),
-    (Cancelled, "CANCELLED"),
+_CODES: tuple[tuple[type[BaseException], GrpcCode], ...] = (
+    (InvalidInput, GrpcCode.INVALID_ARGUMENT),
+    (NotPermitted, GrpcCode.PERMISSION_DENIED),
+    (NotFound, GrpcCode.NOT_FOUND),
+    (WrongState, GrpcCode.FAILED_PRECONDITION),
+    (CapacityError, GrpcCode.RESOURCE_EXHAUSTED),
+    (PeerUnavailable, GrpcCode.UNAVAILABLE),
+    (DeadlineExceeded, GrpcCode.DEADLINE_EXCEEDED),
+    (TransferFailed, GrpcCode.ABORTED),
+    (Closed, GrpcCode.UNAVAILABLE),
+    (Cancelled, GrpcCode.CANCELLED),
     # Bad input from code that raises the builtin (e.g. a protobuf field check).
-    (ValueError, "INVALID_ARGUMENT"),
+    (ValueError, GrpcCode.INVALID_ARGUMENT),
 )
 
 
-def status_code_name(exc: BaseException) -> str:
-    """The gRPC status code name a servicer answers for `exc`; INTERNAL for anything else."""
+def status_code_name(exc: BaseException) -> GrpcCode:
+    """The gRPC status code a servicer answers for `exc`; INTERNAL for anything else."""
     if isinstance(exc, ControlError):
         return exc.code
     for kind, code in _CODES:
         if isinstance(exc, kind):
             return code
-    return "INTERNAL"
+    return GrpcCode.INTERNAL
 
 
-def status_of(exc: BaseException) -> tuple[str, str]:
-    """(status code name, details) a servicer answers for `exc`. A ControlError passed on
+def status_of(exc: BaseException) -> tuple[GrpcCode, str]:
+    """(status code, details) a servicer answers for `exc`. A ControlError passed on
     from another server already carries its code: only its details are kept."""
     details = exc.details if isinstance(exc, ControlError) else str(exc)
     return status_code_name(exc), details or type(exc).__name__
@@ -94,4 +101,4 @@ def control_error_of(err: grpc.RpcError) -> ControlError:
     # A grpc.RpcError raised by a call is also a grpc.Call, which carries the status.
     code = err.code() if isinstance(err, grpc.Call) else None
     details = err.details() if isinstance(err, grpc.Call) else str(err)
-    return ControlError(code.name if code is not None else "UNKNOWN", details or "")
+    return ControlError(code.name if code is not None else GrpcCode.UNKNOWN, details or "")

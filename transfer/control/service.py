@@ -16,7 +16,7 @@ import grpc
 
 from transfer.control import convert
 from transfer.control.decode_many import DecodeManyCall
-from transfer.control.errors import CompatMismatch, status_of
+from transfer.control.errors import CompatMismatch, GrpcCode, status_of
 from transfer.control.gen import transfer_pb2, transfer_pb2_grpc, worker_pb2, worker_pb2_grpc
 from transfer.control.tickets import TicketStore
 from transfer.control.types import (
@@ -196,6 +196,6 @@ def stream(context: grpc.ServicerContext, fn: Callable, request) -> Iterator[wor
 
 def _abort(context: grpc.ServicerContext, exc: Exception) -> None:
     code, details = status_of(exc)
-    if code == "INTERNAL":
+    if code == GrpcCode.INTERNAL:
         logger.exception("control-plane call failed")
     context.abort(getattr(grpc.StatusCode, code), details)

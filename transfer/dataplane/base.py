@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -18,6 +19,7 @@ import torch
 
 from transfer.dataplane.metadata import PeerInfo
 from transfer.dataplane.ranges import RangeBatch
+from transfer.dataplane.regions import RegionMap
 from transfer.dataplane.types import Notification, Op, State, TransferStatus
 from transfer.errors import Closed, InvalidInput, NotFound, WrongState
 
@@ -35,6 +37,13 @@ class Transport(Protocol):
     def register(self, arena: torch.Tensor) -> bytes:
         """Register the arena (uint8 [nbytes], contiguous, CPU or CUDA) once; return the
         metadata a peer passes to `add_peer`."""
+        ...
+
+    def register_regions(self, regions: Sequence[torch.Tensor]) -> bytes:
+        """Register several memory regions (uint8 [nbytes] each, contiguous, one device)
+        once, instead of one arena; offsets in ranges are then virtual offsets of a
+        `RegionMap` (`transfer.dataplane.regions`) that `region_map` describes. No range
+        may cross a region boundary. Return the metadata a peer passes to `add_peer`."""
         ...
 
     def add_peer(self, metadata: bytes) -> str:
@@ -115,6 +124,7 @@ class TransportBase:
     def __init__(self, agent_name: str) -> None:
         self.name = check_agent_name(agent_name)
         self.arena: ArenaInfo | None = None
+        self.region_map: RegionMap | None = None  # set by register_regions
         self.peers: dict[str, PeerInfo] = {}
         self._entries: dict[int, _Entry] = {}
         self._draining: list[Any] = []  # released records that may still move bytes
@@ -138,6 +148,31 @@ class TransportBase:
             info.device_index,
             info.address,
             payload,
+        ).encode()
+
+    def register_regions(self, regions: Sequence[torch.Tensor]) -> bytes:
+        self._check_open()
+        if self.arena is not None:
+            raise WrongState("arena: already registered (one arena per transport)")
+        if not isinstance(regions, Sequence) or not regions:
+            raise InvalidInput("regions: expected a non-empty sequence of tensors")
+        infos = [arena_info(region) for region in regions]
+        for i, info in enumerate(infos):
+            if (info.device, info.device_index) != (infos[0].device, infos[0].device_index):
+                raise InvalidInput(f"regions[{i}]: on {info.device}, not {infos[0].device}")
+        region_map = RegionMap.place([(info.address, info.nbytes) for info in infos])
+        payload = self._register_regions(list(regions), region_map)
+        self.arena = ArenaInfo(0, region_map.extent, infos[0].device, infos[0].device_index)
+        self.region_map = region_map
+        return PeerInfo(
+            self.backend,
+            self.name,
+            region_map.extent,
+            infos[0].device,
+            infos[0].device_index,
+            0,
+            payload,
+            tuple(tuple(r) for r in region_map.to_list()),
         ).encode()
 
     def add_peer(self, metadata: bytes) -> str:
@@ -176,6 +211,11 @@ class TransportBase:
         if self.arena is None:
             raise WrongState("arena: register an arena before posting transfers")
         ranges.check_within(self.arena.nbytes, info.arena_bytes)
+        if self.region_map is not None:
+            self.region_map.indices(ranges.local, ranges.nbytes, "ranges.local")
+        peer_regions = info.region_map()
+        if peer_regions is not None:
+            peer_regions.indices(ranges.remote, ranges.nbytes, "ranges.remote")
         if not isinstance(notif, bytes) or len(notif) > MAX_NOTIF_BYTES:
             raise InvalidInput(f"notif: expected bytes of at most {MAX_NOTIF_BYTES} bytes")
         if not isinstance(deadline_s, int | float) or not (0 < deadline_s < math.inf):
@@ -287,6 +327,9 @@ class TransportBase:
 
     def _register(self, arena: torch.Tensor, info: ArenaInfo) -> bytes:
         raise NotImplementedError
+
+    def _register_regions(self, regions: list[torch.Tensor], region_map: RegionMap) -> bytes:
+        raise InvalidInput(f"regions: backend {self.backend!r} registers one arena only")
 
     def _add_peer(self, info: PeerInfo) -> None:
         raise NotImplementedError

@@ -1,5 +1,8 @@
 """What `Transport.register` hands out and `add_peer` reads: one arena, one agent, as bytes.
 
+An arena made of several regions (`Transport.register_regions`) also lists them,
+`[virtual start, address, nbytes]` each (`transfer.dataplane.regions.RegionMap`).
+
 Layout: magic, u32 length of a JSON header, the header, then the backend's own payload
 (NIXL agent metadata, a UCX worker address). The bytes are opaque to everyone else.
 """
@@ -10,6 +13,7 @@ import json
 import struct
 from dataclasses import asdict, dataclass
 
+from transfer.dataplane.regions import RegionMap
 from transfer.errors import InvalidInput
 
 _MAGIC = b"PDXFDP1\0"
@@ -27,6 +31,14 @@ class PeerInfo:
     device_index: int
     base_address: int
     payload: bytes = b""
+    regions: tuple[tuple[int, int, int], ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "regions", tuple(tuple(r) for r in self.regions))
+
+    def region_map(self) -> RegionMap | None:
+        """The peer's regions, or None for a single arena at `base_address`."""
+        return RegionMap.from_list(list(self.regions)) if self.regions else None
 
     def encode(self) -> bytes:
         fields = asdict(self)
@@ -49,6 +61,8 @@ class PeerInfo:
         try:
             fields = json.loads(data[start : start + length])
             info = cls(**fields, payload=data[start + length :])
+            if info.regions:
+                RegionMap.from_list(list(info.regions), "metadata.regions")
         except (ValueError, TypeError) as exc:
             raise InvalidInput(f"metadata: malformed header ({exc})") from None
         if info.arena_bytes <= 0 or info.base_address < 0 or info.device not in ("cpu", "cuda"):

@@ -42,6 +42,7 @@ from nixl._bindings import (
 from transfer.dataplane.base import ArenaInfo, TransportBase
 from transfer.dataplane.metadata import PeerInfo
 from transfer.dataplane.ranges import RangeBatch
+from transfer.dataplane.regions import RegionMap
 from transfer.dataplane.types import DONE, PENDING, Notification, Op, TransferStatus
 from transfer.errors import InvalidInput
 
@@ -168,6 +169,7 @@ class NixlTransport(TransportBase):
         self._reg_descs: Any = None
         self._local_dlist: Any = None
         self._remote_dlists: dict[str, Any] = {}
+        self._region_maps: dict[str, tuple[tuple, RegionMap | None]] = {}
         self._stuck: list[Any] = []  # handles NIXL could not cancel yet
 
     # -- hooks ------------------------------------------------------------------------
@@ -187,6 +189,17 @@ class NixlTransport(TransportBase):
         if self.granule and info.nbytes >= self.granule:
             descs = _granule_descriptors(info.address, info.nbytes, self.granule, info.device_index)
             self._local_dlist = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", descs, self._mem)
+        return self._agent.get_agent_metadata()
+
+    def _register_regions(self, regions: list[torch.Tensor], region_map: RegionMap) -> bytes:
+        # Several regions: no prepared granule lists (they assume one span); every transfer
+        # builds its descriptors from the region map.
+        self._mem = _mem_type(regions[0].device.type)
+        index = regions[0].device.index or 0
+        self._reg_descs = self._agent.register_memory(
+            [(r.address, r.nbytes, index, "") for r in region_map.regions], self._mem
+        )
+        self.granule = 0
         return self._agent.get_agent_metadata()
 
     def _add_peer(self, info: PeerInfo) -> None:
@@ -212,11 +225,20 @@ class NixlTransport(TransportBase):
             self._remote_dlists[peer.name] = dlist
         return dlist
 
+    def _peer_regions(self, peer: PeerInfo) -> RegionMap | None:
+        if not peer.regions:
+            return None
+        cached = self._region_maps.get(peer.name)
+        if cached is None or cached[0] != peer.regions:
+            cached = (peer.regions, peer.region_map())
+            self._region_maps[peer.name] = cached
+        return cached[1]
+
     def _prepped(self, peer: PeerInfo, ranges: RangeBatch) -> bool:
         """Whether the prepared lists serve this batch: every range is whole granules inside
         both lists, and few enough granules that the index list is the cheaper post."""
         granule = self.granule
-        if not granule or self._local_dlist is None or peer.arena_bytes < granule:
+        if not granule or self._local_dlist is None or peer.arena_bytes < granule or peer.regions:
             return False
         if ranges.total_bytes > MAX_GRANULES_PER_RANGE * granule * len(ranges):
             return False
@@ -244,8 +266,15 @@ class NixlTransport(TransportBase):
                 notif,
             )
         arena = self.arena
-        local = _descriptors(arena.address, ranges.local, ranges.nbytes, arena.device_index)
-        remote = _descriptors(peer.base_address, ranges.remote, ranges.nbytes, peer.device_index)
+        local_at = ranges.local
+        if self.region_map is not None:
+            local_at = self.region_map.addresses(ranges.local, ranges.nbytes, "ranges.local")
+        remote_at = ranges.remote
+        peer_regions = self._peer_regions(peer)
+        if peer_regions is not None:
+            remote_at = peer_regions.addresses(ranges.remote, ranges.nbytes, "ranges.remote")
+        local = _descriptors(arena.address, local_at, ranges.nbytes, arena.device_index)
+        remote = _descriptors(peer.base_address, remote_at, ranges.nbytes, peer.device_index)
         return self._agent.initialize_xfer(
             op.value,
             self._agent.get_xfer_descs(local, self._mem),

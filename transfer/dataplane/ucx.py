@@ -27,6 +27,7 @@ from ucxx._lib.arr import Array  # noqa: E402
 from transfer.dataplane.base import ArenaInfo, TransportBase  # noqa: E402
 from transfer.dataplane.metadata import PeerInfo  # noqa: E402
 from transfer.dataplane.ranges import RangeBatch  # noqa: E402
+from transfer.dataplane.regions import RegionMap  # noqa: E402
 from transfer.dataplane.types import DONE, PENDING, Notification, Op, TransferStatus  # noqa: E402
 from transfer.dataplane.ucx_server import UcxServer  # noqa: E402
 from transfer.dataplane.ucx_streams import (  # noqa: E402
@@ -34,6 +35,7 @@ from transfer.dataplane.ucx_streams import (  # noqa: E402
     arena_slicer,
     cancel_sends,
     post_receives,
+    regions_slicer,
     send_stream,
     sends_state,
     status_text,
@@ -111,6 +113,13 @@ class UcxTransport(TransportBase):
         self._tensor = arena
         self._slicer = arena_slicer(arena)
         self._server = UcxServer(self._worker, self._slicer, info.nbytes)
+        self._server.start()
+        return self._address
+
+    def _register_regions(self, regions: list[torch.Tensor], region_map: RegionMap) -> bytes:
+        self._tensor = regions[0]
+        self._slicer = regions_slicer(regions, region_map)
+        self._server = UcxServer(self._worker, self._slicer, region_map.extent)
         self._server.start()
         return self._address
 

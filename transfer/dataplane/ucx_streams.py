@@ -11,6 +11,7 @@ import torch
 from ucxx._lib import libucxx as ucx_api
 from ucxx._lib.arr import Array
 
+from transfer.dataplane.regions import RegionMap
 from transfer.dataplane.ucx_wire import (
     HEADER_FRAMES,
     HEADER_SLOT,
@@ -28,6 +29,19 @@ def arena_slicer(arena: torch.Tensor) -> Slicer:
         return lambda offset, nbytes: Array(arena[offset : offset + nbytes])
     view = memoryview(arena.numpy())
     return lambda offset, nbytes: Array(view[offset : offset + nbytes])
+
+
+def regions_slicer(regions: list[torch.Tensor], region_map: RegionMap) -> Slicer:
+    """`arena_slicer` over several regions: a virtual (offset, nbytes) of `region_map`
+    -> a ucxx Array over that part of its region (InvalidInput if it crosses one)."""
+    slicers = [arena_slicer(region) for region in regions]
+    starts = [r.start for r in region_map.regions]
+
+    def slicer(offset: int, nbytes: int) -> Array:
+        index = int(region_map.indices(np.array([offset]), np.array([nbytes]), "range")[0])
+        return slicers[index](offset - starts[index], nbytes)
+
+    return slicer
 
 
 _STATUS_NAMES = {

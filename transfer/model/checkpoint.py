@@ -22,12 +22,6 @@ from transfer.geometry import Segment
 INDEX_FILE = "model.safetensors.index.json"
 
 
-def is_checkpoint_dir(model: str | Path) -> bool:
-    """True when `model` names a directory (or looks like a path), not a preset name."""
-    text = str(model)
-    return Path(text).is_dir() or "/" in text or text.startswith(".")
-
-
 def unit_slice(segment: Segment, tp: int, rank: int) -> slice:
     """The elements (not units) of `segment` that rank `rank` of `tp` holds."""
     units = segment.units_on_rank(tp, rank)
@@ -48,8 +42,8 @@ def rank_pieces(segments: Sequence[Segment], tp: int, rank: int) -> list[slice]:
 class Checkpoint:
     """The tensors of one checkpoint directory, by name, with the config as a dict.
 
-    `prefix` is stripped from names on disk (for example "model.language_model." of a
-    multimodal Qwen3.5 checkpoint is seen as "model."); names under `skip` are ignored.
+    `rename` maps a prefix of names on disk to the one the model uses (for example
+    "model.language_model." of a multimodal Qwen3.5 checkpoint is seen as "model.").
     """
 
     def __init__(self, path: str | Path, *, rename: dict[str, str] | None = None) -> None:
@@ -97,15 +91,6 @@ class Checkpoint:
                 return new + stored[len(old) :]
         return stored
 
-    @property
-    def tensor_names(self) -> list[str]:
-        return sorted(self._names)
-
-    @property
-    def tokenizer_path(self) -> Path | None:
-        path = self.path / "tokenizer.json"
-        return path if path.is_file() else None
-
     def has(self, name: str) -> bool:
         return name in self._names
 
@@ -127,19 +112,12 @@ class Checkpoint:
         """The whole tensor (for replicated weights: norms, embeddings, small vectors)."""
         return self._slice(name)[:]
 
-    def read_rows(self, name: str, segments: Sequence[Segment], tp: int, rank: int) -> torch.Tensor:
-        """Column-parallel: the rank's rows (dim 0) of a tensor whose dim 0 concatenates
-        `segments`; the rank's pieces of each segment, concatenated in order."""
-        return self.read_dim(name, 0, segments, tp, rank)
-
-    def read_cols(self, name: str, segments: Sequence[Segment], tp: int, rank: int) -> torch.Tensor:
-        """Row-parallel: the rank's columns (dim 1) of a 2-D tensor, as `read_rows`."""
-        return self.read_dim(name, 1, segments, tp, rank)
-
     def read_dim(
         self, name: str, dim: int, segments: Sequence[Segment], tp: int, rank: int
     ) -> torch.Tensor:
-        """As `read_rows`, along any `dim` (fused expert tensors [E, 2I, H] shard dim 1)."""
+        """The rank's part of tensor `name` along `dim`, which concatenates `segments`: the
+        rank's pieces of each segment, concatenated in order (dim 0 for column-parallel, 1 for
+        row-parallel weights and fused expert tensors [E, 2I, H])."""
         handle = self._slice(name)
         shape = handle.get_shape()
         expected = sum(s.num_units * s.unit_elems for s in segments)

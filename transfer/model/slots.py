@@ -12,8 +12,10 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable
 
+from transfer.errors import WrongState
 
-class CacheFillingError(RuntimeError):
+
+class CacheFillingError(WrongState):
     """A step touched a slot or block that an in-flight transfer is still writing."""
 
 

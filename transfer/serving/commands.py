@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from transfer.control.types import GREEDY, SamplingParams
 from transfer.serving.rank_protocol import RankCommand
+from transfer.serving.role import ServeRole
 from transfer.serving.spec import Copies, RankReads
 
 if TYPE_CHECKING:
@@ -38,7 +39,7 @@ class TransferState(enum.Enum):
 
 
 @dataclass(frozen=True)
-class TransferStatus:
+class RankTransferStatus:
     """One rank's view of a transfer into it."""
 
     state: TransferState
@@ -81,8 +82,11 @@ class PrefillChunk:
     a FREE slot), into `block_ids`/`slot`; the chunk that ends the prompt picks token 0 of
     the `sampling` stream. Prefix cache: `restore_from` (a checkpoint slot, or -1) is copied
     into `slot` before the step (the state after `context_len` cached tokens), and `slot`
-    is copied into `checkpoint_to` (or -1) after it. A streamed prompt's chunks publish their
-    progress (`transfer.serving.progress`) as the step's layer groups finish."""
+    is copied into `checkpoint_to` (or -1) after it. A hit that ends inside a block names
+    the cached block holding its last rows as `copy_block` (or -1): its first
+    `context_len % block_size` KV rows are copied into the prompt's own block at
+    `context_len // block_size` before the step (copy on write). A streamed prompt's chunks
+    publish their progress (`transfer.serving.progress`) as the step's layer groups finish."""
 
     tokens: tuple[int, ...]
     context_len: int
@@ -93,6 +97,7 @@ class PrefillChunk:
     checkpoint_to: int = -1
     stream_key: int = 0  # layer-wise streaming: publish progress under this key (0: don't)
     ends_prompt: bool = False  # this chunk's pick is the prompt's first token
+    copy_block: int = -1
 
 
 @dataclass(frozen=True)
@@ -122,7 +127,7 @@ class Snapshot(RankCommand[None]):
     """Write this rank's cache of the request for `launch --verify`."""
 
     request_id: str
-    side: str  # "prefill" | "decode"
+    side: ServeRole  # PREFILL or DECODE
     block_ids: tuple[int, ...]
     slot: int
     num_tokens: int
@@ -142,7 +147,7 @@ class Release(RankCommand[None]):
 
 
 @dataclass(frozen=True)
-class TransferStart(RankCommand[TransferStatus]):
+class TransferStart(RankCommand[RankTransferStatus]):
     """Mark `slot`/`block_ids` FILLING and post each rank's READs (`reads[rank]`); a
     `stream` also starts reading the prefill ranks' progress. Answers the transfer's
     status: DONE already for a small whole transfer that landed within the rank's
@@ -156,7 +161,7 @@ class TransferStart(RankCommand[TransferStatus]):
     deadline_s: float
     stream: StreamSource | None = None  # more READs follow (`TransferPost`) as prefill runs
 
-    def apply(self, worker: RankWorker) -> TransferStatus:
+    def apply(self, worker: RankWorker) -> RankTransferStatus:
         return worker.transfer_start(
             self.request_id,
             self.instance,
@@ -182,10 +187,10 @@ class TransferPost(RankCommand[None]):
 
 
 @dataclass(frozen=True)
-class TransferPoll(RankCommand[TransferStatus]):
+class TransferPoll(RankCommand[RankTransferStatus]):
     request_id: str
 
-    def apply(self, worker: RankWorker) -> TransferStatus:
+    def apply(self, worker: RankWorker) -> RankTransferStatus:
         return worker.transfer_poll(self.request_id)
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from transfer.cache.layout import Layout
 from transfer.control.client import ClientOptions, TransferClient
-from transfer.control.errors import ControlError, NotPermitted
+from transfer.control.errors import ControlError, GrpcCode, NotPermitted
 from transfer.control.metrics import WorkerMetrics
 from transfer.control.types import DecodeRequest, Ticket, TokenEvent
 from transfer.errors import (
@@ -32,6 +32,7 @@ from transfer.errors import (
     PeerUnavailable,
     TransferFailed,
 )
+from transfer.serving.addresses import resolve
 from transfer.serving.commands import (
     AddPeers,
     DecodeStep,
@@ -47,9 +48,10 @@ from transfer.serving.commands import (
 )
 from transfer.serving.decode_batcher import DecodeBatcher
 from transfer.serving.instance import Instance
+from transfer.serving.progress import TransferMode
 from transfer.serving.rank_protocol import RankCommandError
 from transfer.serving.reads import plan_reads, transfer_request
-from transfer.serving.router import resolve
+from transfer.serving.role import ServeRole
 from transfer.serving.spec import RankReads
 from transfer.serving.stream import StreamPlanner, progress_entries
 
@@ -238,7 +240,7 @@ class DecodeWorker:
             if prefix is not None:
                 prefix.insert_prompt(ticket.block_hashes, prompt_blocks, len(held))
             if self.instance.config.dump_dir:
-                ranks.call(Snapshot(rid, "decode", blocks, slot, ticket.num_tokens))
+                ranks.call(Snapshot(rid, ServeRole.DECODE, blocks, slot, ticket.num_tokens))
             peer.client.release(rid, self.instance_id, ticket.block_ids, ticket.slot_id)
             released = True
             yield TokenEvent(
@@ -343,7 +345,7 @@ class DecodeWorker:
         if ticket.stream_key:
             planner = StreamPlanner(
                 peer.layouts, self.instance.layouts, request, ticket.stream_key,
-                reused_tokens=reused, whole=self.instance.config.transfer_mode == "whole",
+                reused_tokens=reused, whole=self.instance.config.transfer_mode is TransferMode.WHOLE,
             )  # fmt: skip
             source = StreamSource(progress_entries(peer.layouts, ticket.slot_id))
             no_reads = tuple(RankReads(()) for _ in self.instance.layouts)
@@ -467,4 +469,4 @@ class DecodeWorker:
 
 def _unreachable(exc: BaseException) -> bool:
     """Whether `exc` says the prefill instance cannot be reached (handshake again)."""
-    return isinstance(exc, PeerUnavailable) or getattr(exc, "code", "") == "UNAVAILABLE"
+    return isinstance(exc, PeerUnavailable) or getattr(exc, "code", "") == GrpcCode.UNAVAILABLE

@@ -25,16 +25,15 @@ from transfer.errors import InvalidInput
 from transfer.geometry import ModelGeometry
 from transfer.memplan import MemoryPlan, PagePolicy, plan_memory
 from transfer.serving.admission import Admission
-from transfer.serving.checkpoints import (
-    DEFAULT_STATE_CHECKPOINTS,
-    SCAN_CHUNK_ALIGN,
-    checkpoint_alignment,
-)
+from transfer.serving.checkpoints import PREFIX_UNIT
 from transfer.serving.commands import Info
-from transfer.serving.progress import DEFAULT_STREAM_LAYERS, TRANSFER_MODES
+from transfer.serving.progress import TransferMode
 from transfer.serving.ranks import RankGroup
+from transfer.serving.role import INSTANCE_ROLES, ServeRole
+from transfer.serving.serve_options import as_enum, serve_default
 from transfer.serving.spec import STAGING_RESERVED_BYTES, RankSpec
 from transfer.sizing import CacheDtypes
+from transfer.units import parse_size
 
 logger = logging.getLogger(__name__)
 
@@ -43,37 +42,45 @@ BUILD_RANK_WORKER = "transfer.serving.rank_worker:build_rank_worker"
 
 @dataclass(frozen=True)
 class InstanceConfig:
-    role: str  # "prefill" | "decode"
+    role: ServeRole  # PREFILL or DECODE
     geometry: ModelGeometry
-    tp: int = 1
-    transport: str = "nixl"
-    device: str = "cpu"
-    budget_bytes: int = 256 << 20
-    max_seqs: int = 16
-    max_queue: int = 32  # requests waiting for room beyond max_seqs
-    min_block_size: int = 16
-    seed: int = 0
+    tp: int = serve_default("tp")
+    transport: str = serve_default("transport")
+    device: str = serve_default("device")
+    budget_bytes: int = parse_size(serve_default("gpu_mem"), "gpu_mem")
+    max_seqs: int = serve_default("max_seqs")
+    max_queue: int = serve_default("max_queue")  # requests waiting for room beyond max_seqs
+    min_block_size: int = serve_default("block_size")
+    seed: int = serve_default("seed")
     dump_dir: str | None = None
-    nnodes: int = 1
-    node_rank: int = 0
+    nnodes: int = serve_default("nnodes")
+    node_rank: int = serve_default("node_rank")
     dist_addr: str | None = None
     net_device: str | None = None  # UCX_NET_DEVICES for the data plane
     agent_prefix: str = ""
     model: str = ""  # a preset name or a checkpoint directory; "" = geometry.name
-    ssm_dtype: str = "auto"  # the recurrent state's dtype; auto = the config's, else the model's
-    max_num_batched_tokens: int = 2048  # prompt tokens per prefill step (longer ones chunk)
-    staging_bytes: int = 0  # per rank, for staged transfers (0: every READ is direct)
-    staging_min_ranges: int = 8  # stage a source's small ranges once it has this many
-    prefix_cache: bool = False  # keep full KV blocks by hash (docs/prefix-cache.md)
-    state_checkpoints: int = DEFAULT_STATE_CHECKPOINTS  # prefill with a prefix cache
-    checkpoint_interval: int = 0  # also checkpoint every this many prompt tokens (0: ends only)
-    transfer_mode: str = "whole"  # or "layerwise" (docs/streaming.md)
-    stream_layers: int = DEFAULT_STREAM_LAYERS  # layers per streaming group (layerwise)
+    # the recurrent state's dtype; auto = the config's, else the model's
+    ssm_dtype: str = serve_default("ssm_dtype")
+    # prompt tokens per prefill step (longer ones chunk)
+    max_num_batched_tokens: int = serve_default("max_num_batched_tokens")
+    staging_bytes: int = serve_default("staging_mib") << 20  # per rank (0: every READ is direct)
+    # stage a source's small ranges once it has this many
+    staging_min_ranges: int = serve_default("staging_min_ranges")
+    prefix_cache: bool = serve_default("prefix_cache")  # keep full KV blocks by hash
+    state_checkpoints: int = serve_default("state_checkpoints")  # prefill with a prefix cache
+    # also checkpoint every this many prompt tokens (0: ends only)
+    checkpoint_interval: int = serve_default("checkpoint_interval")
+    transfer_mode: TransferMode = serve_default("transfer_mode")  # docs/streaming.md
+    stream_layers: int = serve_default("stream_layers")  # layers per streaming group (layerwise)
     stream_scribble_s: float = 0.0  # tests only: see ProgressWriter
 
     def __post_init__(self) -> None:
-        if self.role not in ("prefill", "decode"):
+        if self.role not in INSTANCE_ROLES:
             raise InvalidInput(f"role: must be prefill or decode, got {self.role!r}")
+        object.__setattr__(self, "role", ServeRole(self.role))
+        object.__setattr__(
+            self, "transfer_mode", as_enum(TransferMode, self.transfer_mode, "transfer_mode")
+        )
         for name in ("tp", "max_seqs", "min_block_size", "nnodes", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise InvalidInput(f"{name}: must be >= 1, got {getattr(self, name)}")
@@ -84,16 +91,16 @@ class InstanceConfig:
                 f"staging_bytes: must be a multiple of {STAGING_PAGE_BYTES} >= 0, "
                 f"got {self.staging_bytes}"
             )
-        if self.state_checkpoints < (1 if self.prefix_cache and self.role == "prefill" else 0):
+        if self.state_checkpoints < (
+            1 if self.prefix_cache and self.role is ServeRole.PREFILL else 0
+        ):
             raise InvalidInput(
                 f"state_checkpoints: a prefill prefix cache needs >= 1, got {self.state_checkpoints}"
             )
-        if self.checkpoint_interval < 0:
-            raise InvalidInput(f"checkpoint_interval: must be >= 0, got {self.checkpoint_interval}")
-        if self.transfer_mode not in TRANSFER_MODES:
+        if self.checkpoint_interval < 0 or self.checkpoint_interval % PREFIX_UNIT:
             raise InvalidInput(
-                f"transfer_mode: must be one of {', '.join(TRANSFER_MODES)}, "
-                f"got {self.transfer_mode!r}"
+                f"checkpoint_interval: must be a multiple of {PREFIX_UNIT} tokens >= 0, "
+                f"got {self.checkpoint_interval}"
             )
         if self.stream_layers < 1:
             raise InvalidInput(f"stream_layers: must be >= 1, got {self.stream_layers}")
@@ -111,12 +118,12 @@ class InstanceConfig:
     def checkpoint_slots(self) -> int:
         """State slots the plan reserves for checkpoints (a prefill prefix cache only: the
         state always crosses whole to decode)."""
-        return self.state_checkpoints if self.prefix_cache and self.role == "prefill" else 0
+        return self.state_checkpoints if self.prefix_cache and self.role is ServeRole.PREFILL else 0
 
     @property
     def layer_group(self) -> int:
         """The layout's streaming groups (0, the default layout, unless streaming)."""
-        return self.stream_layers if self.transfer_mode == "layerwise" else 0
+        return self.stream_layers if self.transfer_mode is TransferMode.LAYERWISE else 0
 
     @property
     def model_source(self) -> str:
@@ -228,13 +235,12 @@ class Instance:
     def _prefix_cache(self) -> PrefixCache | None:
         if not self.config.prefix_cache:
             return None
-        align = checkpoint_alignment(self.plan.block_size)
-        if self.config.role == "prefill" and self.config.checkpoint_interval % align:
-            raise InvalidInput(
-                f"checkpoint_interval: must be a multiple of {align} tokens (blocks of "
-                f"{self.plan.block_size}, scan chunks of {SCAN_CHUNK_ALIGN})"
-            )
-        prefix = PrefixCache(self.pools.blocks, self.plan.block_size, self.plan.checkpoint_slot_ids)
+        # Prefill matches 64-token units (a hit may end inside a block, whose rows it then
+        # copies); decode keeps whole blocks only, because the state crosses whole.
+        unit = PREFIX_UNIT if self.config.role is ServeRole.PREFILL else self.plan.block_size
+        prefix = PrefixCache(
+            self.pools.blocks, self.plan.block_size, self.plan.checkpoint_slot_ids, unit=unit
+        )
         self.pools.evictor = prefix.evict
         return prefix
 

@@ -16,31 +16,34 @@ from transfer.serving.procs import (
     stop_all,
     wait_ready,
 )
-from transfer.serving.progress import DEFAULT_STREAM_LAYERS
+from transfer.serving.role import INSTANCE_ROLES, ServeRole
+from transfer.serving.serve_options import ANY_PORT, serve_default, serve_flags
 
 
 @dataclass(frozen=True)
 class LocalPairConfig:
+    """What `LocalPair` starts; each setting named as serve's has serve's default and flag."""
+
     model: str
-    prefill_tp: int = 1
-    decode_tp: int = 1
-    ssm_dtype: str = "auto"
-    transport: str = "nixl"
-    gpu_mem: str = "64MiB"
-    device: str = "cpu"
-    max_seqs: int = 16
-    block_size: int = 16
-    seed: int = 0
+    prefill_tp: int = serve_default("tp")
+    decode_tp: int = serve_default("tp")
+    ssm_dtype: str = serve_default("ssm_dtype")
+    transport: str = serve_default("transport")
+    gpu_mem: str = serve_default("gpu_mem")
+    device: str = serve_default("device")
+    max_seqs: int = serve_default("max_seqs")
+    block_size: int = serve_default("block_size")
+    seed: int = serve_default("seed")
     dump_dir: Path | None = None
     timeout_s: float = 300.0
-    lease_s: float = 30.0
+    lease_s: float = serve_default("lease_seconds")
     metrics: bool = False  # serve /metrics on each worker (on a port it picks and announces)
-    max_num_batched_tokens: int = 2048
-    staging_mib: int = 8
-    prefix_cache: bool = True  # both instances' prefix caches (--[no-]prefix-cache)
-    checkpoint_interval: int = 0  # the prefill instance's (--checkpoint-interval)
-    transfer_mode: str = "whole"  # both instances' (--transfer-mode)
-    stream_layers: int = DEFAULT_STREAM_LAYERS  # both instances' (--stream-layers)
+    max_num_batched_tokens: int = serve_default("max_num_batched_tokens")
+    staging_mib: int = serve_default("staging_mib")
+    prefix_cache: bool = serve_default("prefix_cache")  # both instances'
+    checkpoint_interval: int = serve_default("checkpoint_interval")  # the prefill instance's
+    transfer_mode: str = serve_default("transfer_mode")  # both instances' (--transfer-mode)
+    stream_layers: int = serve_default("stream_layers")  # both instances' (--stream-layers)
 
 
 class LocalPair:
@@ -61,24 +64,25 @@ class LocalPair:
 
     def _worker_args(self, role: str, tp: int, port: int = 0) -> list[str]:
         c = self.config
-        return [
-            "--host", "127.0.0.1", "--port", str(port), "--model", c.model,
-            "--metrics-port", "any" if c.metrics else "0",
-            "--ssm-dtype", c.ssm_dtype, "--transport", c.transport, "--gpu-mem", c.gpu_mem,
-            "--device", c.device, "--max-seqs", str(c.max_seqs),
-            "--max-num-batched-tokens", str(c.max_num_batched_tokens),
-            "--staging-mib", str(c.staging_mib),
-            "--block-size", str(c.block_size), "--seed", str(c.seed),
-            *(["--dump-dir", str(c.dump_dir)] if c.dump_dir else []),
-            "--tp", str(tp), "--instance-id", f"{role}-0", "--lease-seconds", str(c.lease_s),
-            "--prefix-cache" if c.prefix_cache else "--no-prefix-cache",
-            "--checkpoint-interval", str(c.checkpoint_interval),
-            "--transfer-mode", c.transfer_mode, "--stream-layers", str(c.stream_layers),
-        ]  # fmt: skip
+        return serve_flags(
+            {
+                "host": "127.0.0.1", "port": port, "model": c.model,
+                "metrics_port": ANY_PORT if c.metrics else 0, "ssm_dtype": c.ssm_dtype,
+                "transport": c.transport, "gpu_mem": c.gpu_mem, "device": c.device,
+                "max_seqs": c.max_seqs, "max_num_batched_tokens": c.max_num_batched_tokens,
+                "staging_mib": c.staging_mib, "block_size": c.block_size, "seed": c.seed,
+                "dump_dir": c.dump_dir, "tp": tp, "instance_id": f"{role}-0",
+                "lease_seconds": c.lease_s, "prefix_cache": c.prefix_cache,
+                "checkpoint_interval": c.checkpoint_interval, "transfer_mode": c.transfer_mode,
+                "stream_layers": c.stream_layers,
+            }
+        )  # fmt: skip
 
     def start_workers(self) -> None:
         """Start both instances (they load in parallel); `start_router` waits for them."""
-        for role, tp in (("prefill", self.config.prefill_tp), ("decode", self.config.decode_tp)):
+        for role, tp in zip(
+            INSTANCE_ROLES, (self.config.prefill_tp, self.config.decode_tp), strict=True
+        ):
             self.procs.append(
                 start_serve(role, self._worker_args(role, tp), self.run_dir, self.env)
             )
@@ -89,7 +93,7 @@ class LocalPair:
         wait_ready(workers, self.config.timeout_s)
         router_args = ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "0",
                        "--prefill", workers[0].address, "--decode", workers[1].address]  # fmt: skip
-        self.procs.append(start_serve("router", router_args, self.run_dir, self.env))
+        self.procs.append(start_serve(ServeRole.ROUTER, router_args, self.run_dir, self.env))
         wait_ready(self.procs[-1:], self.config.timeout_s)
         check_health(self.procs, self.config.timeout_s)
         return self.procs[-1].address
@@ -99,7 +103,7 @@ class LocalPair:
         the same port, as a supervisor would; returns once it is READY."""
         old = self.procs[index]
         stop_all([old], grace_s=2.0)
-        role, tp = (("prefill", self.config.prefill_tp), ("decode", self.config.decode_tp))[index]
+        role, tp = INSTANCE_ROLES[index], (self.config.prefill_tp, self.config.decode_tp)[index]
         port = int(old.address.rpartition(":")[2])
         new = start_serve(role, self._worker_args(role, tp, port), self.run_dir, self.env)
         self.procs[index] = new

@@ -139,12 +139,13 @@ def check_health(procs: list[ServeProcess], timeout_s: float) -> None:
             raise RuntimeError(f"serve {proc.role} at {proc.address} is not serving: {status}")
 
 
-def _signal_group(proc: ServeProcess, sig: int) -> None:
+def signal_group(pgid: int, sig: int) -> None:
+    """Send `sig` to process group `pgid` (a session leader's pid), if it still exists."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, sig)  # the session leader's pid is its group id
+        os.killpg(pgid, sig)
 
 
-def _group_alive(pgid: int) -> bool:
+def group_alive(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)
     except ProcessLookupError:
@@ -157,16 +158,16 @@ def _group_alive(pgid: int) -> bool:
 def stop_all(procs: list[ServeProcess], grace_s: float = 10.0) -> None:
     """SIGTERM every process group, wait up to `grace_s`, then SIGKILL what is left."""
     for proc in procs:
-        _signal_group(proc, signal.SIGTERM)
+        signal_group(proc.pid, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     for proc in procs:
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
     # Rank processes outlive their control process only briefly (they watch its pipe).
-    while time.monotonic() < deadline and any(_group_alive(p.pid) for p in procs):
+    while time.monotonic() < deadline and any(group_alive(p.pid) for p in procs):
         time.sleep(0.05)
     for proc in procs:
-        _signal_group(proc, signal.SIGKILL)
+        signal_group(proc.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.popen.wait(timeout=5.0)
         for handle in (proc._stdout, proc._stderr):

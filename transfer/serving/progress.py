@@ -24,13 +24,23 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 
 from transfer.cache.head_units import layer_group_of
 from transfer.cache.layout import Layout
 from transfer.errors import InvalidInput
 from transfer.geometry import ModelGeometry
 
-TRANSFER_MODES = ("whole", "layerwise")
+
+class TransferMode(StrEnum):
+    """When decode reads a request: WHOLE once prefill finished it; LAYERWISE each group of
+    layers of each chunk as prefill finishes it (docs/streaming.md)."""
+
+    WHOLE = "whole"
+    LAYERWISE = "layerwise"
+
+
+TRANSFER_MODES = tuple(TransferMode)
 # Layers per streaming group: 12 groups of Qwen3-Next's 48 layers cost 36 descriptors for
 # a 4k-token request, and 1.5-7.3 ms stayed exposed at 4k-64k tokens on loopback in
 # `bench transfer --layerwise` (docs/benchmarks.md).

@@ -21,6 +21,7 @@ from transfer.errors import (
     PeerUnavailable,
     WrongState,
 )
+from transfer.model.slots import CacheFillingError
 
 R = TypeVar("R")
 
@@ -65,6 +66,7 @@ class RankLaunch:
 
 # The error kinds a rank failure keeps across the process boundary, most specific first.
 _KINDS: tuple[type[PdxferError], ...] = (
+    CacheFillingError,  # a WrongState the lifecycle tests tell apart (bugs 4 and 6)
     InvalidInput,
     NotFound,
     WrongState,
@@ -120,9 +122,10 @@ class RankCommandError(PdxferError):
         self.failures = failures
 
     @property
-    def kind(self) -> str:
-        """The class name of the first rank's exception (e.g. "CacheFillingError")."""
-        return self.failures[0].error
+    def kind(self) -> type[PdxferError] | None:
+        """The error kind of the first rank's failure (e.g. `CacheFillingError`); None for an
+        internal error."""
+        return self.failures[0].kind
 
 
 class RankInputError(RankCommandError, InvalidInput):

@@ -39,13 +39,14 @@ from transfer.serving.commands import (
     DecodeStep,
     PrefillChunk,
     RankInfo,
+    RankTransferStatus,
     StreamSource,
     TokenPick,
     TransferState,
-    TransferStatus,
 )
 from transfer.serving.cpu_rank import configure_cpu_rank
 from transfer.serving.progress import entry_offset, progress_area_bytes
+from transfer.serving.snapshots import save_snapshot, snapshot_request
 from transfer.serving.spec import (
     WARMUP_BYTES,
     Copies,
@@ -60,7 +61,6 @@ from transfer.serving.staging_copies import (
 )
 from transfer.serving.stream_reader import ProgressReader
 from transfer.serving.stream_writer import ProgressWriter, StreamedChunk
-from transfer.serving.verify import save_snapshot, snapshot_request
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ class _Transfer:
     deadline_at: float  # time.monotonic() past which no READ may still be posted
     instance: str  # the prefill instance it reads from
     handles: list[int] = field(default_factory=list)
-    status: TransferStatus = TransferStatus(TransferState.PENDING)
+    status: RankTransferStatus = RankTransferStatus(TransferState.PENDING)
     sealed: bool = True  # a stream is sealed by its last `transfer_post`
     reader: ProgressReader | None = None  # a stream's progress, on its reading rank
 
@@ -152,6 +152,8 @@ class RankWorker:
         for c in chunks:
             if c.restore_from >= 0:
                 self.engine.copy_state(c.restore_from, c.slot)
+            if c.copy_block >= 0:
+                self.engine.copy_kv_rows(c.copy_block, c.block_ids, c.context_len)
         sequences = [SequenceStep(c.tokens, c.slot, c.block_ids, c.context_len) for c in chunks]
         samplers = [_sampler(c.sampling) for c in chunks]
         streamed = [
@@ -202,7 +204,7 @@ class RankWorker:
         block_ids: list[int],
         deadline_s: float,
         stream: StreamSource | None = None,
-    ) -> TransferStatus:
+    ) -> RankTransferStatus:
         """Mark `slot`/`block_ids` FILLING and post this rank's READs from `instance`; a
         `stream` stays open for `transfer_post` and reads the prefill ranks' progress.
         A small whole transfer is polled for up to `TRANSFER_SETTLE_S` before answering
@@ -268,7 +270,7 @@ class RankWorker:
             handle = self.transport.post(Op.READ, peer, batch, deadline_s=deadline_s)
             transfer.handles.append(handle)
 
-    def transfer_poll(self, request_id: str) -> TransferStatus:
+    def transfer_poll(self, request_id: str) -> RankTransferStatus:
         """Once DONE the slot is READY. A finished transfer keeps its status until
         `transfer_end`."""
         transfer = self._transfer(request_id)
@@ -293,17 +295,17 @@ class RankWorker:
         if reasons:
             # Handles stay: a failed READ may still land (NIXL cannot cancel one in flight).
             _stop_reader(transfer)
-            transfer.status = TransferStatus(TransferState.FAILED, reason="; ".join(reasons))
+            transfer.status = RankTransferStatus(TransferState.FAILED, reason="; ".join(reasons))
         elif not transfer.sealed:
             if reader is not None:
-                transfer.status = TransferStatus(TransferState.PENDING, progress=reader.words)
+                transfer.status = RankTransferStatus(TransferState.PENDING, progress=reader.words)
         elif not any(s.pending for s in statuses):
             self._drop_handles(transfer)
             if len(transfer.scatter):
                 scatter_from_staging(self.arena.buffer, self.layout, transfer.scatter)
             seconds = time.monotonic() - transfer.posted_at
             self.engine.mark_ready(transfer.slot)
-            transfer.status = TransferStatus(TransferState.DONE, seconds)
+            transfer.status = RankTransferStatus(TransferState.DONE, seconds)
 
     def transfer_end(self, request_id: str) -> bool:
         """Forget a transfer. True when none of its READs can still move bytes, so its slot

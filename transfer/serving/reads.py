@@ -19,7 +19,7 @@ import numpy as np
 
 from transfer.cache.layout import Layout
 from transfer.cache.staging_pool import StagingPool
-from transfer.control.errors import ControlError
+from transfer.control.errors import ControlError, GrpcCode
 from transfer.control.types import RankGather, StageRequest, Ticket
 from transfer.packer import (
     StagingPolicy,
@@ -35,7 +35,7 @@ from transfer.serving.spec import STAGING_RESERVED_BYTES, Copies, RankReads, Rea
 logger = logging.getLogger(__name__)
 
 # What `Stage` answers when the prefill instance cannot stage: read directly instead.
-STAGING_REFUSED = ("RESOURCE_EXHAUSTED", "UNIMPLEMENTED")
+STAGING_REFUSED = (GrpcCode.RESOURCE_EXHAUSTED, GrpcCode.UNIMPLEMENTED)
 
 
 class Stager(Protocol):

@@ -14,7 +14,6 @@ from __future__ import annotations
 import itertools
 import logging
 import secrets
-import socket
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -24,7 +23,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from transfer.cache.prefix_cache import block_hashes
 from transfer.control.client import ClientOptions, DecodeClient, PrefillClient, TransferClient
-from transfer.control.errors import ControlError
+from transfer.control.errors import ControlError, GrpcCode
 from transfer.control.server import RANKS_HEALTH
 from transfer.control.types import (
     DecodeRequest,
@@ -34,44 +33,25 @@ from transfer.control.types import (
     Ticket,
     TokenEvent,
 )
+from transfer.serving.addresses import UNSPECIFIED_HOSTS, resolve, split_address
 from transfer.serving.prefix_routes import PrefixRoutes, learn_block_size
+from transfer.serving.role import INSTANCE_ROLES, ServeRole
 
 logger = logging.getLogger(__name__)
 
 # A prefill failing with these may succeed on another instance. A prefill that timed out
 # may still publish; the prefill instance frees a ticket whose caller has gone.
-RETRY_CODES = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED"})
+RETRY_CODES = frozenset(
+    {GrpcCode.UNAVAILABLE, GrpcCode.DEADLINE_EXCEEDED, GrpcCode.RESOURCE_EXHAUSTED}
+)
 # A decode failing with these before its first token is run again (prefill included).
 # PERMISSION_DENIED: a restarted decode instance that no longer knows the prefill.
-DECODE_RETRY_CODES = frozenset({"UNAVAILABLE", "ABORTED", "PERMISSION_DENIED"})
+DECODE_RETRY_CODES = frozenset({GrpcCode.UNAVAILABLE, GrpcCode.ABORTED, GrpcCode.PERMISSION_DENIED})
 DECODE_ATTEMPTS = 2
-UNSPECIFIED_HOSTS = frozenset({"", "0.0.0.0", "::", "[::]"})
 HEALTH_TIMEOUT_S = 2.0
-
-
-def split_address(address: str) -> tuple[str, int]:
-    """ "host:port" or "[v6]:port" -> (host, port); ValueError names the address otherwise."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"address: expected HOST:PORT, got {address!r}")
-    return host.strip("[]"), int(port)
-
-
-def join_address(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def resolve(address: str) -> list[str]:
-    """Every IP `address`'s host name resolves to, as "ip:port" (IPv4 first; a headless
-    Service name resolves to all its pods). An IP literal or an unresolvable name is kept."""
-    host, port = split_address(address)
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except socket.gaierror:
-        return [address]
-    v4 = sorted({i[4][0] for i in infos if i[0] == socket.AF_INET})
-    v6 = sorted({i[4][0] for i in infos if i[0] == socket.AF_INET6})
-    return [join_address(ip, port) for ip in (v4 or v6)] or [address]
+# An instance that answered UNAVAILABLE (dead, or restarting) is tried after the others for
+# this long; then it is tried in turn again, so one that came back gets requests again.
+DOWN_S = 5.0
 
 
 class RouterMetrics:
@@ -109,6 +89,7 @@ class _Pool:
         self._targets: list[tuple[str, str]] = []  # (target, original address)
         self._resolved_at = -float("inf")
         self._turn = itertools.count()
+        self._down_until: dict[str, float] = {}
 
     def order(self) -> list[tuple[str, object]]:
         """Every instance once, starting at the next one in turn."""
@@ -125,6 +106,18 @@ class _Pool:
                     self._clients[target] = self._factory(target, original)
                 out.append((target, self._clients[target]))
             return out
+
+    def mark_down(self, target: str) -> None:
+        """`target` answered UNAVAILABLE: try it after the others for DOWN_S."""
+        with self._lock:
+            self._down_until[target] = time.monotonic() + DOWN_S
+
+    def up_first(self, targets: list[tuple[str, object]]) -> list[tuple[str, object]]:
+        """`targets` with those marked down recently moved last (stable otherwise)."""
+        now = time.monotonic()
+        with self._lock:
+            down = {t for t, until in self._down_until.items() if until > now}
+        return sorted(targets, key=lambda pair: pair[0] in down)
 
     def forget(self) -> None:
         """Re-resolve on the next call (after a failure, pods may have moved)."""
@@ -158,7 +151,7 @@ class Router:
         self.metrics = metrics or RouterMetrics()
         self._prefill = _Pool(prefill, lambda t, a: PrefillClient(t, **self._kwargs(a)))
         self._decode = _Pool(decode, lambda t, a: DecodeClient(t, **self._kwargs(a)))
-        self._routes = {"prefill": PrefixRoutes(), "decode": PrefixRoutes()}
+        self._routes = {role: PrefixRoutes() for role in INSTANCE_ROLES}
         self._block_size = 0  # learned from the first ticket whose hashes say it
         self._transfer_lock = threading.Lock()
         self._transfer_clients: dict[str, TransferClient] = {}
@@ -249,10 +242,11 @@ class Router:
             request.request_id, request.prompt_ids, request.max_tokens, request.sampling
         )
         last: ControlError | None = None
-        routes = self._routes["prefill"]
+        routes = self._routes[ServeRole.PREFILL]
         size = self._block_size
         hashes = block_hashes(request.prompt_ids, size) if size else ()
-        for target, client in _ordered(self._prefill.order(), routes, hashes):
+        ordered = self._prefill.up_first(_ordered(self._prefill.order(), routes, hashes))
+        for target, client in ordered:
             routes.started(target)
             try:
                 ticket = client.prefill(prefill)
@@ -270,30 +264,35 @@ class Router:
                     exc,
                 )
                 self.metrics.prefill_retries.inc()
-                if exc.code != "RESOURCE_EXHAUSTED":
+                if exc.code == GrpcCode.UNAVAILABLE:
+                    self._prefill.mark_down(target)
+                if exc.code != GrpcCode.RESOURCE_EXHAUSTED:
                     self._prefill.forget()
             finally:
                 routes.finished(target)
         if last is None:
-            raise ControlError("UNAVAILABLE", "no prefill instance resolved")
+            raise ControlError(GrpcCode.UNAVAILABLE, "no prefill instance resolved")
         raise last  # every instance failed: the last one's code (RESOURCE_EXHAUSTED if all full)
 
     def _run_decode(
         self, ticket, max_tokens: int, sampling: SamplingParams
     ) -> Iterator[TokenEvent]:
-        routes = self._routes["decode"]
-        targets = _ordered(self._decode.order(), routes, ticket.block_hashes)
+        routes = self._routes[ServeRole.DECODE]
+        ordered = _ordered(self._decode.order(), routes, ticket.block_hashes)
+        targets = self._decode.up_first(ordered)
         if not targets:
-            raise ControlError("UNAVAILABLE", "no decode instance resolved")
+            raise ControlError(GrpcCode.UNAVAILABLE, "no decode instance resolved")
         target, client = targets[0]
-        self._register(target, client, ticket.address)
         routes.started(target)
         try:
+            self._register(target, client, ticket.address)
             yield from client.decode(DecodeRequest(ticket, max_tokens, sampling))
             routes.record(target, ticket.block_hashes)
-        except ControlError:
+        except ControlError as exc:
             with self._transfer_lock:  # it may have restarted and forgotten: register again
                 self._registered.discard((target, ticket.address))
+            if exc.code == GrpcCode.UNAVAILABLE:
+                self._decode.mark_down(target)
             raise
         finally:
             routes.finished(target)

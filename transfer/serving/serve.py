@@ -8,117 +8,33 @@ With `--nnodes N`, node ranks > 0 run only their TP ranks, which follow the lead
 
 from __future__ import annotations
 
-import fcntl
-import ipaddress
 import logging
-import os
 import secrets
 import signal
-import socket
-import struct
 import sys
 import threading
 import time
-from pathlib import Path
 
-from transfer.control.auth import TlsConfig, load_token
 from transfer.control.client import ClientOptions
 from transfer.control.metrics import WorkerMetrics, serve_metrics
 from transfer.control.server import serve as serve_control
 from transfer.net import free_port
+from transfer.serving.addresses import join_address
+from transfer.serving.http_front import api_key, http_front
+from transfer.serving.interfaces import advertised_host, interface_of
 from transfer.serving.procs import ready_line
-from transfer.serving.router import Router, RouterMetrics, join_address
-from transfer.serving.serve_options import ANY_PORT, ServeOptions
+from transfer.serving.role import ServeRole
+from transfer.serving.router import Router, RouterMetrics
+from transfer.serving.serve_options import ANY_PORT, RouterBackend, ServeOptions
+from transfer.serving.serve_security import (
+    auth_token,
+    check_exposure,
+    check_http_exposure,
+    tls_configs,
+)
 from transfer.units import parse_size
 
 logger = logging.getLogger("pdxfer.serve")
-
-SIOCGIFADDR = 0x8915
-
-
-def auth_token(options: ServeOptions) -> str | None:
-    """--auth-token-file (or PDXFER_AUTH_TOKEN_FILE), else PDXFER_AUTH_TOKEN, else none."""
-    return load_token(options.auth_token_file)
-
-
-def tls_configs(options: ServeOptions) -> tuple[TlsConfig | None, TlsConfig | None]:
-    """(server TLS, client TLS for calls to other instances). The certificate doubles as
-    the client certificate, so `--tls-ca` on every instance gives mutual TLS."""
-    if bool(options.tls_cert) != bool(options.tls_key):
-        raise ValueError("--tls-cert and --tls-key must be given together")
-    server = (
-        TlsConfig.from_files(options.tls_cert, options.tls_key, options.tls_ca)
-        if options.tls_cert
-        else None
-    )
-    client = None
-    if options.tls_cert or options.tls_ca:
-        client = TlsConfig.from_files(options.tls_cert, options.tls_key, options.tls_ca)
-    return server, client
-
-
-def interface_of(host: str, flag: str = "--data-host") -> str | None:
-    """The network interface holding IPv4 address `host` (for UCX_NET_DEVICES), or None.
-    `flag` names the option `host` came from in errors (--host when --data-host is unset)."""
-    try:
-        ip = ipaddress.ip_address(socket.gethostbyname(host))
-    except (OSError, ValueError):
-        raise ValueError(f"{flag}: cannot resolve {host!r}") from None
-    if ip.is_unspecified:
-        return None
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-        for _, name in socket.if_nameindex():
-            try:
-                packed = fcntl.ioctl(
-                    sock.fileno(), SIOCGIFADDR, struct.pack("256s", name.encode()[:15])
-                )
-            except OSError:
-                continue
-            if socket.inet_ntoa(packed[20:24]) == str(ip):
-                return name
-    raise ValueError(f"{flag}: no local interface has address {ip}")
-
-
-def is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
-    except (OSError, ValueError):
-        return False
-
-
-def check_exposure(options: ServeOptions, token: str | None, tls) -> None:
-    """Serving beyond this machine needs a token or mutual TLS: without either, anyone who
-    reaches the port gets the arena's transport metadata and can drive the ranks. ValueError
-    (exit 2) unless `--insecure`."""
-    hosts = [options.host, options.data_host or options.host]
-    exposed = [h for h in hosts if not is_loopback(h)]
-    mutual = tls is not None and tls.ca is not None
-    if exposed and not (token or mutual) and not options.insecure:
-        raise ValueError(
-            f"--host {exposed[0]}: serving a non-loopback address needs --auth-token-file "
-            "(or PDXFER_AUTH_TOKEN) or mutual TLS (--tls-cert/--tls-key/--tls-ca); "
-            "--insecure serves it without"
-        )
-
-
-def check_http_exposure(host: str, key: str | None, insecure: bool) -> None:
-    """The same rule for the OpenAI HTTP API: off loopback, anyone who reaches the port
-    gets completions, so it needs an API key. ValueError (exit 2) unless `--insecure`."""
-    if not is_loopback(host) and not key and not insecure:
-        raise ValueError(
-            f"--host {host}: serving the HTTP API on a non-loopback address needs "
-            "--api-key-file (or PDXFER_API_KEY); --insecure serves it without"
-        )
-
-
-def advertised_host(host: str) -> str:
-    """The host to put in tickets: the bind address, or this machine's address for 0.0.0.0."""
-    if host in ("0.0.0.0", "::", ""):
-        try:
-            return socket.gethostbyname(socket.gethostname())
-        except OSError:
-            return "127.0.0.1"
-    return host
 
 
 def _install_stop() -> threading.Event:
@@ -144,9 +60,13 @@ def serve(options: ServeOptions) -> int:
     token = auth_token(options)
     server_tls, client_tls = tls_configs(options)
     check_exposure(options, token, server_tls)
-    if options.role == "router" and options.http_port is not None:
+    if options.role is ServeRole.ROUTER and options.http_port is not None:
         check_http_exposure(options.host, api_key(options), options.insecure)
-    if options.role == "router":
+    if options.role is ServeRole.ROUTER and options.engine is RouterBackend.VLLM:
+        from transfer.serving.vllm_router import serve_vllm_router
+
+        return serve_vllm_router(options, stop)
+    if options.role is ServeRole.ROUTER:
         return _serve_router(options, token, server_tls, client_tls, stop)
     return _serve_worker(options, token, server_tls, client_tls, stop)
 
@@ -183,14 +103,14 @@ def _serve_router(
     )
     metrics_server = _metrics(options, metrics)
     try:
-        http = _http_front(options, router, metrics) if options.http_port is not None else None
+        http = http_front(options, router, metrics) if options.http_port is not None else None
     except BaseException:
         server.stop(grace=0)
         router.close()
         if metrics_server:
             metrics_server.stop()
         raise
-    _announce("router", server, metrics_server)
+    _announce(ServeRole.ROUTER, server, metrics_server)
     try:
         stop.wait()
     finally:
@@ -202,40 +122,6 @@ def _serve_router(
         if metrics_server:
             metrics_server.stop()
     return 0
-
-
-def api_key(options: ServeOptions) -> str | None:
-    """The HTTP API key: --api-key-file, else PDXFER_API_KEY, else none (no auth)."""
-    if options.api_key_file:
-        key = Path(options.api_key_file).read_text().strip()
-        if not key:
-            raise ValueError(f"--api-key-file {options.api_key_file}: the file is empty")
-        return key
-    return os.environ.get("PDXFER_API_KEY", "").strip() or None
-
-
-def _http_front(options: ServeOptions, router: Router, metrics: RouterMetrics):
-    """The OpenAI-compatible HTTP server over `router`; its /metrics is the router's."""
-    from transfer.serving.openai.app import build_app
-    from transfer.serving.openai.engine import RouterEngine
-    from transfer.serving.openai.http_server import HttpServer
-    from transfer.serving.openai.served import load_served_model
-
-    model = load_served_model(
-        options.model, name=options.served_model_name, max_model_len=options.max_model_len
-    )
-    key = api_key(options)
-    app = build_app(RouterEngine(router), model, api_key=key, registry=metrics.registry)
-    http = HttpServer(app, options.host, options.http_port)
-    logger.info(
-        "OpenAI API on http://%s/v1: model %r, context %d tokens, %s, %s",
-        join_address(options.host, http.port),
-        model.name,
-        model.max_model_len,
-        "text and token ids" if model.codec else "token ids only (no tokenizer.json)",
-        "API key required" if key else "no API key",
-    )
-    return http
 
 
 def instance_config(options: ServeOptions):
@@ -316,7 +202,7 @@ def _serve_worker(
     bind = join_address(options.host, port)
     closers = []
     try:
-        if options.role == "prefill":
+        if options.role is ServeRole.PREFILL:
             worker = PrefillWorker(instance, instance_id, address, options.lease_seconds, metrics)
             server = serve_control(
                 bind,

@@ -8,6 +8,7 @@ import numpy as np
 
 from transfer.geometry import ModelGeometry
 from transfer.memplan import MemoryPlan
+from transfer.serving.role import ServeRole
 from transfer.sizing import CacheDtypes
 
 # A decode rank READs this much from each prefill rank's staging area at handshake, so
@@ -27,7 +28,7 @@ def staging_area_bytes(staging_bytes: int) -> int:
 class RankSpec:
     """Everything a rank process needs to build itself (pickled to the spawned process)."""
 
-    role: str  # "prefill" | "decode"
+    role: ServeRole  # PREFILL or DECODE
     instance_id: str
     model: str  # a preset name or a checkpoint directory
     geometry: ModelGeometry

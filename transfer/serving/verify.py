@@ -13,62 +13,15 @@ layout or a transfer plan, so a packer bug cannot hide behind its own arithmetic
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from transfer.geometry import CacheTensor, ModelGeometry, Role
-from transfer.model.caches import CacheAccess
-
-Snapshot = dict[str, torch.Tensor]
-
-
-def tensor_key(layer_index: int, name: str) -> str:
-    return f"L{layer_index}.{name}"
-
-
-def _tensors(geometry: ModelGeometry) -> list[tuple[str, int, CacheTensor]]:
-    return [
-        (tensor_key(layer.index, t.name), layer.index, t)
-        for layer in geometry.layers
-        for t in layer.cache_tensors()
-    ]
-
-
-def snapshot_request(
-    geometry: ModelGeometry,
-    caches: CacheAccess,
-    block_ids: Sequence[int],
-    slot: int,
-    num_tokens: int,
-) -> Snapshot:
-    """One rank's cache of one request, copied to CPU, in its native dtypes.
-
-    KV: `[num_tokens, rank_channels]` gathered through the block table; SSM:
-    `[1, rank_heads * k * v]`; conv: `[conv_kernel - 1, rank_channels]`.
-    """
-    if num_tokens < 1:
-        raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
-    snap: Snapshot = {}
-    for key, index, tensor in _tensors(geometry):
-        if tensor.role is Role.KV:
-            cache = caches.kv(index, tensor.name)  # [NB, BS, ...]
-            blocks = torch.as_tensor(list(block_ids), dtype=torch.long, device=cache.device)
-            if blocks.numel() * caches.block_size < num_tokens:
-                raise ValueError(
-                    f"block_ids: {blocks.numel()} blocks cannot hold {num_tokens} tokens"
-                )
-            pos = torch.arange(num_tokens, device=cache.device)
-            rows = cache[blocks[pos // caches.block_size], pos % caches.block_size]
-            snap[key] = rows.reshape(num_tokens, -1)
-        elif tensor.role is Role.SSM:
-            snap[key] = caches.ssm(index)[slot].reshape(1, -1)
-        else:
-            snap[key] = caches.conv(index, tensor.name)[slot].transpose(0, 1)
-    return {k: v.detach().to("cpu").contiguous().clone() for k, v in snap.items()}
+from transfer.geometry import CacheTensor, ModelGeometry
+from transfer.serving.role import INSTANCE_ROLES, ServeRole
+from transfer.serving.snapshots import RankTensors, cache_tensors, load_side
 
 
 def _segment_columns(tensor: CacheTensor, tp: int, rank: int | None):
@@ -83,14 +36,14 @@ def _segment_columns(tensor: CacheTensor, tp: int, rank: int | None):
         col += len(units) * seg.unit_elems
 
 
-def assemble_global(geometry: ModelGeometry, shards: Sequence[Snapshot]) -> Snapshot:
+def assemble_global(geometry: ModelGeometry, shards: Sequence[RankTensors]) -> RankTensors:
     """The TP=1 cache from the snapshots of all `len(shards)` prefill ranks.
 
     Raises ValueError when two ranks holding the same unit disagree, or a shape is off.
     """
     tp = len(shards)
-    out: Snapshot = {}
-    for key, _, tensor in _tensors(geometry):
+    out: RankTensors = {}
+    for key, _, tensor in cache_tensors(geometry):
         parts = [shard[key] for shard in shards]
         rows = parts[0].shape[0]
         for rank, part in enumerate(parts):
@@ -118,10 +71,10 @@ def assemble_global(geometry: ModelGeometry, shards: Sequence[Snapshot]) -> Snap
     return out
 
 
-def slice_for_rank(geometry: ModelGeometry, full: Snapshot, tp: int, rank: int) -> Snapshot:
+def slice_for_rank(geometry: ModelGeometry, full: RankTensors, tp: int, rank: int) -> RankTensors:
     """What rank `rank` of `tp` holds of the global cache `full`."""
-    out: Snapshot = {}
-    for key, _, tensor in _tensors(geometry):
+    out: RankTensors = {}
+    for key, _, tensor in cache_tensors(geometry):
         glob = {seg.name: col for seg, col, _ in _segment_columns(tensor, 1, None)}
         cols = []
         for seg, _, units in _segment_columns(tensor, tp, rank):
@@ -141,7 +94,7 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
-def compare_snapshots(expected: Snapshot, actual: Snapshot) -> list[str]:
+def compare_snapshots(expected: RankTensors, actual: RankTensors) -> list[str]:
     """One line per tensor whose bytes differ (empty: identical)."""
     problems = []
     for key in sorted(expected.keys() | actual.keys()):
@@ -171,30 +124,6 @@ class CacheCheck:
         return not self.problems
 
 
-def request_dir(root: str | Path, request_id: str) -> Path:
-    """Where the snapshots of `request_id` live under the run's dump directory."""
-    return Path(root) / re.sub(r"[^A-Za-z0-9._-]", "_", request_id)
-
-
-def save_snapshot(root: str | Path, request_id: str, side: str, rank: int, snap: Snapshot) -> Path:
-    """Write one rank's snapshot; `side` is "prefill" or "decode"."""
-    if side not in ("prefill", "decode"):
-        raise ValueError(f"side must be 'prefill' or 'decode', got {side!r}")
-    path = request_dir(root, request_id) / f"{side}-rank{rank}.pt"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    torch.save(snap, tmp)
-    tmp.replace(path)
-    return path
-
-
-def load_side(root: str | Path, request_id: str, side: str) -> list[Snapshot]:
-    """All ranks' snapshots of one side, in rank order (empty when none was written)."""
-    folder = request_dir(root, request_id)
-    paths = sorted(folder.glob(f"{side}-rank*.pt"), key=lambda p: int(p.stem.rsplit("rank", 1)[1]))
-    return [torch.load(p, weights_only=True) for p in paths]
-
-
 def check_request(
     geometry: ModelGeometry,
     root: str | Path,
@@ -203,10 +132,12 @@ def check_request(
     decode_tp: int,
 ) -> CacheCheck:
     """Check (1): every decode rank's cache equals the prefill caches re-sliced to it."""
-    prefill = load_side(root, request_id, "prefill")
-    decode = load_side(root, request_id, "decode")
+    prefill = load_side(root, request_id, ServeRole.PREFILL)
+    decode = load_side(root, request_id, ServeRole.DECODE)
     problems: list[str] = []
-    for side, snaps, tp in (("prefill", prefill, prefill_tp), ("decode", decode, decode_tp)):
+    for side, snaps, tp in zip(
+        INSTANCE_ROLES, (prefill, decode), (prefill_tp, decode_tp), strict=True
+    ):
         if len(snaps) != tp:
             problems.append(f"{side}: {len(snaps)} rank snapshots, expected {tp}")
     if problems:

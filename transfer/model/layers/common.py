@@ -80,14 +80,6 @@ def paged_index(
     return block_ids[positions // block_size], positions % block_size
 
 
-def paged_write(
-    cache: torch.Tensor, block_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor
-) -> None:
-    """cache [NB, BS, ...] (any strides): rows [T, ...] land at the tokens' pages."""
-    blocks, offsets = paged_index(block_ids, positions, cache.shape[1])
-    cache[blocks, offsets] = rows.to(cache.dtype)
-
-
 def paged_read(cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> torch.Tensor:
     """The first `length` tokens of a request: [length, ...] gathered from its blocks."""
     positions = torch.arange(length, device=block_ids.device)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from transfer.control.errors import ControlError
+from transfer.control.errors import ControlError, GrpcCode
 from transfer.errors import (
     CapacityError,
     DeadlineExceeded,
@@ -14,21 +14,21 @@ from transfer.serving.openai.schema import ApiError
 
 # gRPC status code name -> (HTTP status, OpenAI error type)
 _BY_CODE = {
-    "INVALID_ARGUMENT": (400, "invalid_request_error"),
-    "OUT_OF_RANGE": (400, "invalid_request_error"),
-    "NOT_FOUND": (404, "not_found_error"),
-    "UNAUTHENTICATED": (401, "authentication_error"),
-    "PERMISSION_DENIED": (403, "permission_error"),
-    "RESOURCE_EXHAUSTED": (429, "rate_limit_error"),
-    "UNAVAILABLE": (503, "service_unavailable"),
-    "DEADLINE_EXCEEDED": (504, "timeout_error"),
+    GrpcCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    GrpcCode.OUT_OF_RANGE: (400, "invalid_request_error"),
+    GrpcCode.NOT_FOUND: (404, "not_found_error"),
+    GrpcCode.UNAUTHENTICATED: (401, "authentication_error"),
+    GrpcCode.PERMISSION_DENIED: (403, "permission_error"),
+    GrpcCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    GrpcCode.UNAVAILABLE: (503, "service_unavailable"),
+    GrpcCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
 }
 _BY_KIND = (
-    (InvalidInput, "INVALID_ARGUMENT"),
-    (NotFound, "NOT_FOUND"),
-    (CapacityError, "RESOURCE_EXHAUSTED"),
-    (PeerUnavailable, "UNAVAILABLE"),
-    (DeadlineExceeded, "DEADLINE_EXCEEDED"),
+    (InvalidInput, GrpcCode.INVALID_ARGUMENT),
+    (NotFound, GrpcCode.NOT_FOUND),
+    (CapacityError, GrpcCode.RESOURCE_EXHAUSTED),
+    (PeerUnavailable, GrpcCode.UNAVAILABLE),
+    (DeadlineExceeded, GrpcCode.DEADLINE_EXCEEDED),
 )
 
 
@@ -38,7 +38,7 @@ def api_error_of(exc: BaseException) -> ApiError:
     if isinstance(exc, ControlError):
         code, message = exc.code, exc.details
     else:
-        code = next((c for kind, c in _BY_KIND if isinstance(exc, kind)), "INTERNAL")
+        code = next((c for kind, c in _BY_KIND if isinstance(exc, kind)), GrpcCode.INTERNAL)
         message = str(exc) or type(exc).__name__
     status, kind = _BY_CODE.get(code, (500, "internal_error"))
     return ApiError(status, message, type=kind, code=code.lower())

@@ -1,0 +1,113 @@
+"""One decode rank's reads for one vLLM request: pdxfer's packer, once per vLLM cache group.
+
+vLLM gives every cache group its own block ids (a hybrid model's attention group pages
+tokens; each mamba group holds its running state in one block). The packer plans one
+request with one block list and one state slot, so each group is planned on its own,
+limited to its layers, and the ranges are joined per prefill rank.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from transfer.cache.explicit_layout import ExplicitLayout
+from transfer.errors import InvalidInput
+from transfer.packer import StagingPolicy, TransferRequest, plan_transfer
+
+
+@dataclass(frozen=True)
+class CacheGroup:
+    """One vLLM transfer group: its model layer indices and whether it pages tokens."""
+
+    layers: frozenset[int]
+    is_attention: bool
+
+
+@dataclass(frozen=True)
+class LoadReads:
+    """Per prefill rank, `(src, dst, nbytes)` int64 arrays in virtual offsets."""
+
+    per_source: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]
+    kv_bytes: int
+    state_bytes: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(c[2].sum()) for c in self.per_source.values())
+
+    @property
+    def descriptors(self) -> int:
+        return sum(len(c[2]) for c in self.per_source.values())
+
+
+def _blocks(ids: Sequence[int], block_size: int, num_tokens: int, field: str) -> tuple[int, ...]:
+    need = math.ceil(num_tokens / block_size)
+    if len(ids) < need:
+        raise InvalidInput(
+            f"{field}: {len(ids)} blocks for {num_tokens} tokens of {block_size} per block"
+        )
+    return tuple(ids[:need])
+
+
+def plan_load(
+    groups: Sequence[CacheGroup],
+    prefill: Sequence[ExplicitLayout],
+    decode: Sequence[ExplicitLayout],
+    decode_rank: int,
+    src_block_ids: Sequence[Sequence[int]],
+    dst_block_ids: Sequence[Sequence[int]],
+    num_tokens: int,
+) -> LoadReads:
+    """The reads of `decode_rank` for `num_tokens` tokens of KV (only those tokens, not
+    whole blocks) and every linear layer's state (a mamba group's last block id is its
+    state block). Raises InvalidInput naming what does not fit."""
+    for field, ids in (("ticket block_ids", src_block_ids), ("decode block_ids", dst_block_ids)):
+        if len(ids) != len(groups):
+            raise InvalidInput(f"{field}: {len(ids)} groups, this model has {len(groups)}")
+    p0, d0 = prefill[0], decode[0]
+    kv_src = kv_dst = None
+    slot_src = slot_dst = None
+    for i, (group, src, dst) in enumerate(zip(groups, src_block_ids, dst_block_ids, strict=True)):
+        if group.is_attention and kv_src is None:
+            kv_src = _blocks(src, p0.block_size, num_tokens, f"ticket block_ids[{i}]")
+            kv_dst = _blocks(dst, d0.block_size, num_tokens, f"decode block_ids[{i}]")
+        if not group.is_attention and slot_src is None:
+            if not src or not dst:
+                raise InvalidInput(f"block_ids[{i}]: a state group without its state block")
+            slot_src, slot_dst = (src[-1],), (dst[-1],)
+    # The packer wants both a block list and a slot; a group's plan reads only its layers,
+    # so the other group's ids stand in where this group has none.
+    filler_src = kv_src or tuple(range(p0.blocks_for(num_tokens)))
+    filler_dst = kv_dst or tuple(range(d0.blocks_for(num_tokens)))
+    parts: dict[int, list] = defaultdict(list)
+    kv_bytes = state_bytes = 0
+    for i, (group, src, dst) in enumerate(zip(groups, src_block_ids, dst_block_ids, strict=True)):
+        if group.is_attention:
+            s_blocks = _blocks(src, p0.block_size, num_tokens, f"ticket block_ids[{i}]")
+            d_blocks = _blocks(dst, d0.block_size, num_tokens, f"decode block_ids[{i}]")
+            s_slots, d_slots = slot_src or (0,), slot_dst or (0,)
+        else:
+            if not src or not dst:
+                raise InvalidInput(f"block_ids[{i}]: a state group without its state block")
+            s_blocks, d_blocks = filler_src, filler_dst
+            s_slots, d_slots = (src[-1],), (dst[-1],)
+        request = TransferRequest(num_tokens, s_blocks, s_slots, d_blocks, d_slots)
+        plans = plan_transfer(
+            prefill, decode, request, StagingPolicy(enabled=False), layers=group.layers
+        )
+        plan = plans[decode_rank]
+        kv_bytes += plan.kv_bytes
+        state_bytes += plan.state_bytes
+        for source in plan.sources:
+            if len(source.wire):
+                parts[source.prefill_rank].append(source.wire.arrays())
+    per_source = {
+        rank: tuple(np.concatenate(c) for c in zip(*chunks, strict=True))
+        for rank, chunks in sorted(parts.items())
+    }
+    return LoadReads(per_source, kv_bytes, state_bytes)

@@ -1,0 +1,289 @@
+"""The decode role of the connector's scheduler half: one `Pull` record per request that came
+with a pdxfer ticket, moved through its phases on vLLM's scheduler thread.
+
+    ACQUIRING --acquired--> ACQUIRED --blocks allocated--> LOADING --finished_recving--> RELEASING
+        |                      |                                                          |
+        +--failed: LOCAL       +--aborted / nothing to load: RELEASING                   done
+
+Acquire (claim the ticket, renew its lease) runs before vLLM is told how many tokens it will
+get, so a dead or unknown prefill costs a recompute, not a failed request. Heartbeats keep the
+lease while the workers read; Release goes out once vLLM reports the load finished (or failed:
+the workers report the bad blocks and vLLM recomputes them).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from transfer.control.peer_client import PeerClient, PeerEvent, PeerOp
+from transfer.control.types import Ticket as StoreTicket
+from transfer.errors import InvalidInput
+from transfer.vllm.metadata import LoadSpec
+from transfer.vllm.scheduler_groups import TransferGroups
+from transfer.vllm.stats import PdxferStats
+from transfer.vllm.ticket import PARAMS_KEY, Ticket
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+LOADED = "_pdxfer_loaded"  # set once the load is ordered: a rescheduled request loads nothing
+
+
+class PullPhase(enum.Enum):
+    ACQUIRING = "acquiring"
+    ACQUIRED = "acquired"
+    LOADING = "loading"
+    RELEASING = "releasing"
+    LOCAL = "local"  # no remote cache: vLLM computes the prompt here
+
+
+@dataclass
+class Pull:
+    """One decode request whose cache comes from a prefill instance."""
+
+    request_id: str
+    ticket: Ticket
+    phase: PullPhase = PullPhase.ACQUIRING
+    held: StoreTicket | None = None  # the acquired store ticket: what Release must repeat
+    finished: bool = False  # vLLM finished the request (e.g. aborted) before it loaded
+    load_failed: bool = False  # the workers gave the load up (and counted it)
+    last_beat: float = 0.0
+
+
+class DecodeSide:
+    """Pulls in flight, keyed by the decode request id."""
+
+    def __init__(
+        self,
+        peers: PeerClient,
+        groups: TransferGroups,
+        *,
+        heartbeat_s: float,
+        stats: PdxferStats,
+        stats_lock: threading.Lock,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self._peers = peers
+        self._groups = groups
+        self._heartbeat_s = heartbeat_s
+        self._stats = stats
+        self._stats_lock = stats_lock
+        self._clock = clock
+        self._pulls: dict[str, Pull] = {}
+        self._loads: list[LoadSpec] = []
+
+    def phase(self, request_id: str) -> PullPhase | None:
+        pull = self._pulls.get(request_id)
+        return None if pull is None else pull.phase
+
+    def on_new_request(self, request: Request) -> None:
+        """Start acquiring as soon as vLLM sees the request."""
+        self._track(request)
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        pull = self._track(request)
+        if pull is None:
+            return 0, False
+        self.poll()
+        if pull.phase is PullPhase.ACQUIRING:
+            return None, False  # ask again next step
+        if pull.phase is not PullPhase.ACQUIRED:
+            return 0, False
+        count = pull.ticket.num_tokens - num_computed_tokens
+        if num_computed_tokens > 0 or count <= 0:
+            # A local prefix hit: the loaded blocks would not line up with the ticket's.
+            return 0, False
+        return count, True
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        pull = self._pulls.get(request.request_id)
+        if pull is None or pull.phase is not PullPhase.ACQUIRED:
+            return
+        if num_external_tokens <= 0:
+            self._release(pull)  # vLLM computes it locally after all
+            return
+        block_ids = self._groups.clip(blocks.get_block_ids(), pull.ticket.num_tokens)
+        self._loads.append(
+            LoadSpec(
+                request_id=request.request_id,
+                ticket=pull.ticket,
+                block_ids=block_ids,
+                num_tokens=pull.ticket.num_tokens,
+            )
+        )
+        pull.phase = PullPhase.LOADING
+        logger.debug(
+            "request %s: loading %d tokens into blocks %s from %s blocks %s",
+            request.request_id,
+            pull.ticket.num_tokens,
+            block_ids,
+            pull.ticket.control_address,
+            pull.ticket.block_ids,
+        )
+        request.kv_transfer_params[LOADED] = True
+
+    def take_loads(self) -> list[LoadSpec]:
+        """The loads to start this step; leases held (waiting for blocks, or being read) are
+        renewed every `heartbeat_s`."""
+        self.poll()
+        loads, self._loads = self._loads, []
+        now = self._clock()
+        for pull in self._pulls.values():
+            holding = pull.phase in (PullPhase.ACQUIRED, PullPhase.LOADING)
+            if holding and now - pull.last_beat >= self._heartbeat_s:
+                pull.last_beat = now
+                self._peers.heartbeat(
+                    pull.ticket.control_address, pull.ticket.request_id, tag=pull.request_id
+                )
+        return loads
+
+    def on_finished_recving(
+        self, request_ids: set[str], failed_ids: frozenset[str] | set[str] = frozenset()
+    ) -> None:
+        """The workers are done with these loads, `failed_ids` among them having given up
+        (the workers counted those): release prefill either way, so it frees the blocks."""
+        for request_id in request_ids | failed_ids:
+            pull = self._pulls.get(request_id)
+            if pull is not None and pull.phase is PullPhase.LOADING:
+                pull.load_failed = request_id in failed_ids
+                self._release(pull)
+        self.poll()
+
+    def request_finished(self, request: Request) -> None:
+        """vLLM finished the request. A load in flight releases when it reports finished;
+        anything earlier releases now (prefill then frees its blocks at once)."""
+        pull = self._track(request)  # a request vLLM never showed us still frees prefill
+        if pull is None:
+            return
+        pull.finished = True
+        if pull.phase is PullPhase.ACQUIRED:
+            self._release(pull)
+        elif pull.phase is PullPhase.LOCAL:
+            del self._pulls[request.request_id]
+
+    def has_calls_in_flight(self) -> bool:
+        """An Acquire or Release whose answer must still be applied: vLLM must keep stepping
+        (an aborted request's release goes out only when its Acquire's answer is seen)."""
+        return any(
+            p.phase in (PullPhase.ACQUIRING, PullPhase.RELEASING) for p in self._pulls.values()
+        )
+
+    def poll(self) -> None:
+        """Apply every PeerClient event that arrived."""
+        for event in self._peers.drain():
+            pull = self._pulls.get(event.tag) if isinstance(event.tag, str) else None
+            if pull is None:
+                continue
+            handler = _HANDLERS.get(event.op)
+            if handler is not None:
+                handler(self, pull, event)
+
+    # ---- internals -----------------------------------------------------------------------
+
+    def _track(self, request: Request) -> Pull | None:
+        pull = self._pulls.get(request.request_id)
+        if pull is not None:
+            return pull
+        params = request.kv_transfer_params
+        if not params or PARAMS_KEY not in params or params.get(LOADED):
+            return None
+        try:
+            ticket = Ticket.from_params(params)
+        except InvalidInput as exc:
+            logger.warning("request %s: ignoring its pdxfer ticket: %s", request.request_id, exc)
+            return None
+        if ticket.num_tokens >= request.num_prompt_tokens:
+            logger.warning(
+                "request %s: ticket covers %d tokens of a %d-token prompt; computing locally",
+                request.request_id,
+                ticket.num_tokens,
+                request.num_prompt_tokens,
+            )
+            pull = Pull(request.request_id, ticket, phase=PullPhase.LOCAL)
+        else:
+            pull = Pull(request.request_id, ticket)
+            self._peers.acquire(ticket.control_address, ticket.request_id, tag=request.request_id)
+        self._pulls[request.request_id] = pull
+        return pull
+
+    def _release(self, pull: Pull) -> None:
+        assert pull.held is not None
+        pull.phase = PullPhase.RELEASING
+        self._peers.release(
+            pull.ticket.control_address,
+            pull.ticket.request_id,
+            pull.held.block_ids,
+            pull.held.slot_id,
+            tag=pull.request_id,
+        )
+
+    def _on_acquire(self, pull: Pull, event: PeerEvent) -> None:
+        if pull.phase is not PullPhase.ACQUIRING:
+            return
+        if not event.ok:
+            logger.warning(
+                "request %s: acquiring its cache from %s failed (%s); computing it locally",
+                pull.request_id,
+                event.address,
+                event.error,
+            )
+            with self._stats_lock:
+                self._stats.record_failed_transfer()
+            pull.phase = PullPhase.LOCAL
+            if pull.finished:
+                del self._pulls[pull.request_id]
+            return
+        pull.held = event.result
+        pull.phase = PullPhase.ACQUIRED
+        pull.last_beat = self._clock()  # Acquire renewed the lease
+        if pull.finished:
+            self._release(pull)
+
+    def _on_heartbeat(self, pull: Pull, event: PeerEvent) -> None:
+        if not event.ok:
+            logger.warning(
+                "request %s: lease renewal at %s failed (%s)",
+                pull.request_id,
+                event.address,
+                event.error,
+            )
+
+    def _on_release(self, pull: Pull, event: PeerEvent) -> None:
+        del self._pulls[pull.request_id]
+        if event.ok:
+            return
+        if pull.load_failed:  # prefill gone, most likely: the failed load is counted already
+            logger.warning(
+                "request %s: release at %s after a failed load: %s",
+                pull.request_id,
+                event.address,
+                event.error,
+            )
+            return
+        # NOT_FOUND: the lease lapsed before Release, so prefill may have reused the blocks
+        # while they were read. Counted; the tokens may be wrong.
+        logger.error(
+            "request %s: release at %s failed (%s)", pull.request_id, event.address, event.error
+        )
+        with self._stats_lock:
+            self._stats.record_failed_transfer()
+
+
+_HANDLERS: dict[PeerOp, Callable[[DecodeSide, Pull, PeerEvent], None]] = {
+    PeerOp.ACQUIRE: DecodeSide._on_acquire,
+    PeerOp.HEARTBEAT: DecodeSide._on_heartbeat,
+    PeerOp.RELEASE: DecodeSide._on_release,
+}

@@ -1,0 +1,289 @@
+"""`ConnectorWorker`: the PdxferConnector's half inside each vLLM worker (one per TP rank).
+
+Start-up: vLLM's cache views become pdxfer geometry plus an `ExplicitLayout` over vLLM's
+own memory (`layout_vllm`), registered with the transport once; the rank's
+`RankHandshake` goes to the scheduler half. Every step: prefill ids the scheduler released
+are echoed as finished sending (vLLM then frees their blocks); decode loads are planned with
+pdxfer's packer against the prefill ranks' layouts (learned once per prefill instance
+through its TransferService handshake) and posted through the `TransferAgent`. A load
+finishes -- and its failure is reported -- only once nothing of it can still land.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec, UniformTypeKVCacheSpecs
+
+from transfer.agent import PeerReads, TransferAgent, stage_small
+from transfer.cache.explicit_layout import ExplicitLayout
+from transfer.control.client import TransferClient
+from transfer.dataplane import RangeBatch, make_transport
+from transfer.errors import InvalidInput
+from transfer.presets import from_hf_config, from_hf_dict
+from transfer.vllm.config import PdxferConfig, compat_fields
+from transfer.vllm.layout_vllm import STATE_ORDER_DS, STATE_ORDER_SD, VllmMemory, describe
+from transfer.vllm.load_plan import CacheGroup, plan_load
+from transfer.vllm.metadata import LoadSpec, RankHandshake, StepMetadata
+from transfer.vllm.stats import PdxferStats
+
+logger = logging.getLogger(__name__)
+
+# The read-side staging buffer (registered with the transport next to vLLM's memory): room
+# for the staged spans of the loads in flight; a load that finds none reads directly.
+STAGING_BYTES = 8 << 20
+
+
+@dataclass(frozen=True)
+class _Peer:
+    """A prefill instance as this rank reads it."""
+
+    layouts: tuple[ExplicitLayout, ...]
+    agents: tuple[str, ...]  # connected transport peer per prefill rank
+
+
+def model_geometry(vllm_config: Any):
+    """pdxfer geometry of the served model: its config.json, else vLLM's hf config."""
+    model = Path(str(vllm_config.model_config.model))
+    if (model / "config.json").is_file():
+        return from_hf_config(model)
+    hf = vllm_config.model_config.hf_config.to_dict()
+    return from_hf_dict(hf, str(vllm_config.model_config.model))
+
+
+def _layer_index(name: str) -> int:
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    return extract_layer_index(name)
+
+
+def _conv_order() -> str:
+    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+
+    return STATE_ORDER_DS if is_conv_state_dim_first() else STATE_ORDER_SD
+
+
+def _groups(kv_cache_config: Any) -> tuple[CacheGroup, ...]:
+    groups = []
+    for group in kv_cache_config.transfer_groups:
+        spec = group.kv_cache_spec
+        if isinstance(spec, UniformTypeKVCacheSpecs):
+            spec = next(iter(spec.kv_cache_specs.values()))
+        if not isinstance(spec, AttentionSpec | MambaSpec):
+            raise InvalidInput(f"vLLM caches: group of {type(spec).__name__} is not supported")
+        layers = frozenset(_layer_index(n) for n in group.layer_names)
+        groups.append(CacheGroup(layers, isinstance(spec, AttentionSpec)))
+    return tuple(groups)
+
+
+def _layer_specs(kv_cache_config: Any) -> dict[str, Any]:
+    specs = {}
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        for name in group.layer_names:
+            if isinstance(spec, UniformTypeKVCacheSpecs):
+                specs[name] = spec.kv_cache_specs[name]
+            else:
+                specs[name] = spec
+    return specs
+
+
+class ConnectorWorker:
+    """The worker half; `connector.PdxferConnector` forwards its worker hooks here."""
+
+    def __init__(self, vllm_config: Any, kv_cache_config: Any, config: PdxferConfig) -> None:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        self.vllm_config = vllm_config
+        self.kv_cache_config = kv_cache_config
+        self.config = config
+        self.tp = vllm_config.parallel_config.tensor_parallel_size
+        self.rank = get_tensor_model_parallel_rank()
+        self.geometry = model_geometry(vllm_config)
+        self.groups = _groups(kv_cache_config)
+        self.memory: VllmMemory | None = None
+        self.layouts: tuple[ExplicitLayout, ...] = ()
+        self.agent: TransferAgent | None = None
+        self._handshake: RankHandshake | None = None
+        self._peers: dict[str, _Peer] = {}
+        self._loads: dict[str, LoadSpec] = {}
+        self._finished_sending: set[str] = set()
+        self._finished_recving: set[str] = set()
+        self._failed_recving: set[str] = set()
+        self._error_blocks: set[int] = set()
+        self._staging = torch.empty(0, dtype=torch.uint8)
+        self._staging_start = 0
+        self._staging_held: dict[str, tuple[int, int]] = {}  # request -> (offset, bytes)
+        self.stats = PdxferStats()
+
+    # ---- start-up -----------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        specs = _layer_specs(self.kv_cache_config)
+        layers: dict[int, tuple[Any, torch.Tensor]] = {}
+        for name, view in kv_caches.items():
+            if name not in specs:
+                continue
+            layers[_layer_index(name)] = (specs[name], view)
+        engine = f"vllm-{_vllm_version()}"
+        self.memory, regions = describe(self.geometry, self.tp, layers, _conv_order(), engine)
+        self.layouts = tuple(self.memory.layout(r) for r in range(self.tp))
+        transport = make_transport(
+            self.config.transport.value, f"pdxfer-vllm-{self.rank}-{uuid.uuid4().hex[:8]}"
+        )
+        self.agent = TransferAgent(transport)
+        self._staging = torch.zeros(STAGING_BYTES, dtype=torch.uint8, device=regions[0].device)
+        metadata = self.agent.register([*regions, self._staging])
+        assert self.agent.transport.region_map is not None
+        self._staging_start = self.agent.transport.region_map.regions[-1].start
+        self._handshake = RankHandshake(
+            self.rank, self.tp, self.layouts[self.rank].to_dict(), metadata
+        )
+        logger.info(
+            "pdxfer: rank %d/%d registered %d region(s), %d B virtual; block size %d, "
+            "%d blocks, conv %s",
+            self.rank,
+            self.tp,
+            len(regions),
+            self.memory.region_map.extent,
+            self.memory.block_size,
+            self.memory.num_blocks,
+            _conv_order(),
+        )
+
+    def get_handshake_metadata(self) -> RankHandshake | None:
+        return self._handshake
+
+    # ---- every step ---------------------------------------------------------------------
+
+    def start_load_kv(self, meta: StepMetadata) -> None:
+        self._finished_sending.update(meta.released)
+        for load in meta.loads:
+            try:
+                reads, copies = self._plan(load)
+            except Exception as exc:  # the load fails, vLLM recomputes; the server lives
+                logger.warning("pdxfer: load of %s failed before posting: %s", load.request_id, exc)
+                self._staging_held.pop(load.request_id, None)
+                self._fail(load)
+                continue
+            self._loads[load.request_id] = load
+            assert self.agent is not None
+            self.agent.post(load.request_id, reads, copies)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending, results.finished_recving
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        if self.agent is not None:
+            for done in self.agent.poll():
+                load = self._loads.pop(done.key)
+                self._staging_held.pop(done.key, None)
+                if done.ok:
+                    self.stats.record_transfer(done.nbytes, done.descriptors, done.seconds)
+                    self._finished_recving.add(done.key)
+                else:
+                    logger.warning("pdxfer: load of %s failed: %s", done.key, done.error)
+                    self._fail(load)
+        sending, self._finished_sending = self._finished_sending, set()
+        recving, self._finished_recving = self._finished_recving, set()
+        failed, self._failed_recving = self._failed_recving, set()
+        return KVConnectorTransferResults(sending, recving | failed, failed)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._error_blocks = self._error_blocks, set()
+        return errors
+
+    def get_kv_connector_stats(self) -> PdxferStats | None:
+        if self.stats.is_empty():
+            return None
+        return self.stats.clone_and_reset()
+
+    def shutdown(self) -> None:
+        if self.agent is not None:
+            self.agent.close()
+            self.agent = None
+
+    # ---- loads --------------------------------------------------------------------------
+
+    def _fail(self, load: LoadSpec) -> None:
+        self.stats.record_failed_transfer()
+        self._failed_recving.add(load.request_id)
+        for group in load.block_ids:
+            self._error_blocks.update(group)
+
+    def _peer(self, address: str) -> _Peer:
+        peer = self._peers.get(address)
+        if peer is not None:
+            return peer
+        assert self.agent is not None
+        compat = compat_fields(self.vllm_config, self.kv_cache_config)
+        client = TransferClient(address, token=self.config.auth_token)
+        try:
+            reply = client.handshake(f"vllm-decode-{self.rank}", compat)
+        finally:
+            client.close()
+        layouts = tuple(ExplicitLayout.from_dict(json.loads(raw)) for raw in reply.rank_layouts)
+        if not layouts or len(layouts) != len(reply.rank_metadata):
+            raise InvalidInput(f"handshake with {address}: {len(layouts)} layouts for "
+                               f"{len(reply.rank_metadata)} ranks")  # fmt: skip
+        agents = tuple(self.agent.connect(m) for m in reply.rank_metadata)
+        peer = _Peer(layouts, agents)
+        self._peers[address] = peer
+        return peer
+
+    def _plan(self, load: LoadSpec) -> tuple[list[PeerReads], tuple | None]:
+        """The load's reads, small neighbouring ranges staged when staging has room."""
+        peer = self._peer(load.ticket.control_address)
+        reads = plan_load(
+            self.groups,
+            peer.layouts,
+            self.layouts,
+            self.rank,
+            load.ticket.block_ids,
+            load.block_ids,
+            load.num_tokens,
+        )
+        sources = list(reads.per_source.items())
+        sizes = [stage_small(dst, src, n, 0).staging_bytes for _, (src, dst, n) in sources]
+        offset = self._hold_staging(load.request_id, sum(sizes)) if sum(sizes) else None
+        if offset is None:
+            direct = [
+                PeerReads(peer.agents[p], RangeBatch(dst, src, n)) for p, (src, dst, n) in sources
+            ]
+            return direct, None
+        posted, copies = [], []
+        base = self._staging_start + offset
+        for (p, (src, dst, n)), size in zip(sources, sizes, strict=True):
+            staged = stage_small(dst, src, n, base)
+            base += size
+            posted.append(PeerReads(peer.agents[p], RangeBatch(*staged.wire)))
+            copies.append(staged.copies)
+        joined = tuple(np.concatenate(c) for c in zip(*copies, strict=True))
+        return posted, joined
+
+    def _hold_staging(self, key: str, nbytes: int) -> int | None:
+        """First fit in the staging buffer (None: no room; the load then reads directly)."""
+        cursor = 0
+        for start, size in sorted(self._staging_held.values()):
+            if start - cursor >= nbytes:
+                break
+            cursor = max(cursor, start + size)
+        if cursor + nbytes > self._staging.numel():
+            return None
+        self._staging_held[key] = (cursor, nbytes)
+        return cursor
+
+
+def _vllm_version() -> str:
+    import vllm
+
+    return str(getattr(vllm, "__version__", "unknown"))
