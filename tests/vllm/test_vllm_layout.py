@@ -145,7 +145,8 @@ def _expected_decode(tp_p, tp_d, rank, p_layers, src_ids, dst_ids, num_tokens, c
     layers, flat, specs = vllm_rank(tp_d, conv_order)
     attention = layers[3][1]
     heads_d, heads_p = KV_HEADS // tp_d, KV_HEADS // tp_p
-    for t in range(num_tokens):
+    # Attention blocks cross whole (vLLM's CPU kernel keeps K dim-major inside a block).
+    for t in range(-(-num_tokens // BLOCK) * BLOCK):
         sb, db = src_ids[3][t // BLOCK], dst_ids[3][t // BLOCK]
         for h in range(heads_d):
             g = rank * heads_d + h
@@ -257,24 +258,24 @@ def test_reads_copy_exactly_the_needed_bytes(pair, num_tokens, conv_order, stage
             tp_p, tp_d, rank, p_layers, src_ids, dst_ids, num_tokens, conv_order
         )
         assert torch.equal(flat, expected)
-        useful = num_tokens * 2 * (KV_HEADS // tp_d) * HEAD * 2
+        useful = blocks * BLOCK * 2 * (KV_HEADS // tp_d) * HEAD * 2
         useful += 3 * (
             3 * (2 * K_HEADS + V_HEADS) * HEAD // tp_d * 2 + V_HEADS // tp_d * HEAD * HEAD * 4
         )
         assert reads.nbytes == useful
 
 
-def test_one_range_per_head_and_state_at_tp1():
-    """100 tokens at P = D = 1: each KV head of the block is one run (K|V rows of its
-    tokens), each layer's conv+SSM state one run: 2 + 3 ranges, none of the padding."""
+def test_one_range_per_block_and_state_at_tp1():
+    """100 tokens at P = D = 1: the attention block crosses whole (both heads: one run),
+    each layer's conv+SSM state one run without the page padding: 1 + 3 ranges."""
     prefill, _, _, _ = _describe(1)
     decode, _, _, _ = _describe(1)
     src = [(1,), (2,), (3,), (0,)]
     dst = [(4,), (0,), (1,), (2,)]
     reads = plan_load(GROUPS, [prefill.layout(0)], [decode.layout(0)], 0, src, dst, 99)
-    assert reads.descriptors == 5
+    assert reads.descriptors == 4
     state = 3 * (3 * 1024 * 2 + 4 * HEAD * HEAD * 4)
-    assert reads.nbytes == 99 * 2 * 2 * HEAD * 2 + state
+    assert reads.nbytes == BLOCK * 2 * 2 * HEAD * 2 + state
 
 
 @pytest.mark.parametrize("tp_p, tp_d", [(2, 1), (1, 2)])

@@ -3,7 +3,9 @@
 vLLM (0.32) backs every cache group with one allocation and hands the connector one view
 per layer (`register_kv_caches`):
 - attention: `[blocks, kv_heads, block_size, head_size + head_size_v]` in the KV dtype
-  (LBHNC: a head's tokens of a block are consecutive rows, each row its K then its V);
+  (LBHNC: a head's part of a block is one run). The CPU kernel reads that run as K
+  dim-major (`[head_size][block_size]`) then V token-major, so a token's K is not one run:
+  the units below name the view's rows, and `load_plan` moves attention blocks whole;
 - MLA: `[blocks, 1, block_size, kv_lora_rank + rope_dim]`;
 - mamba-like (GDN, Mamba2): raw int8 pages `[blocks, 1, 1, page bytes]`; each page holds
   the layer's states back to back (`MambaSpec.shapes` / `dtypes`: conv, then SSM), and the

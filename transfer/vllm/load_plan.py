@@ -63,13 +63,19 @@ def plan_load(
     dst_block_ids: Sequence[Sequence[int]],
     num_tokens: int,
 ) -> LoadReads:
-    """The reads of `decode_rank` for `num_tokens` tokens of KV (only those tokens, not
-    whole blocks) and every linear layer's state (a mamba group's last block id is its
-    state block). Raises InvalidInput naming what does not fit."""
+    """The reads of `decode_rank` for the KV blocks holding `num_tokens` tokens (whole
+    blocks: see below) and every linear layer's state without its page padding (a mamba
+    group's last block id is its state block). Raises InvalidInput naming what does not
+    fit."""
     for field, ids in (("ticket block_ids", src_block_ids), ("decode block_ids", dst_block_ids)):
         if len(ids) != len(groups):
             raise InvalidInput(f"{field}: {len(ids)} groups, this model has {len(groups)}")
     p0, d0 = prefill[0], decode[0]
+    if p0.block_size != d0.block_size:
+        raise InvalidInput(
+            f"block_size: prefill pages {p0.block_size} tokens, decode {d0.block_size}; "
+            "attention blocks cross whole, so both servers must page alike"
+        )
     kv_src = kv_dst = None
     slot_src = slot_dst = None
     for i, (group, src, dst) in enumerate(zip(groups, src_block_ids, dst_block_ids, strict=True)):
@@ -87,16 +93,21 @@ def plan_load(
     parts: dict[int, list] = defaultdict(list)
     kv_bytes = state_bytes = 0
     for i, (group, src, dst) in enumerate(zip(groups, src_block_ids, dst_block_ids, strict=True)):
+        tokens = num_tokens
         if group.is_attention:
             s_blocks = _blocks(src, p0.block_size, num_tokens, f"ticket block_ids[{i}]")
             d_blocks = _blocks(dst, d0.block_size, num_tokens, f"decode block_ids[{i}]")
             s_slots, d_slots = slot_src or (0,), slot_dst or (0,)
+            # vLLM's CPU attention keeps a block's K dim-major ([head_dim][block_size]) and
+            # its V token-major: a token's K is not one run. The blocks cross whole (every
+            # byte of the request's blocks, never a token of another request).
+            tokens = len(s_blocks) * p0.block_size
         else:
             if not src or not dst:
                 raise InvalidInput(f"block_ids[{i}]: a state group without its state block")
             s_blocks, d_blocks = filler_src, filler_dst
             s_slots, d_slots = (src[-1],), (dst[-1],)
-        request = TransferRequest(num_tokens, s_blocks, s_slots, d_blocks, d_slots)
+        request = TransferRequest(tokens, s_blocks, s_slots, d_blocks, d_slots)
         plans = plan_transfer(
             prefill, decode, request, StagingPolicy(enabled=False), layers=group.layers
         )

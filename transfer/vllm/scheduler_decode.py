@@ -115,7 +115,8 @@ class DecodeSide:
         if num_external_tokens <= 0:
             self._release(pull)  # vLLM computes it locally after all
             return
-        block_ids = self._groups.clip(blocks.get_block_ids(), pull.ticket.num_tokens)
+        allocated = blocks.get_block_ids()
+        block_ids = self._groups.clip(allocated, pull.ticket.num_tokens)
         self._loads.append(
             LoadSpec(
                 request_id=request.request_id,
@@ -126,10 +127,11 @@ class DecodeSide:
         )
         pull.phase = PullPhase.LOADING
         logger.debug(
-            "request %s: loading %d tokens into blocks %s from %s blocks %s",
+            "request %s: loading %d tokens into blocks %s (of %s) from %s blocks %s",
             request.request_id,
             pull.ticket.num_tokens,
             block_ids,
+            allocated,
             pull.ticket.control_address,
             pull.ticket.block_ids,
         )

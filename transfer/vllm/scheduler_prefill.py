@@ -140,6 +140,13 @@ class PrefillSide:
             logger.error("request %s: pdxfer control server not started", request.request_id)
             return False, None
         clipped = self._groups.clip(block_ids, num_tokens)
+        logger.debug(
+            "request %s: publishing %d tokens in blocks %s (of %s)",
+            request.request_id,
+            num_tokens,
+            clipped,
+            block_ids,
+        )
         with self._lock:
             if not self._free_slots:
                 logger.error("request %s: no ticket slot free", request.request_id)

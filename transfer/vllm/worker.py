@@ -217,8 +217,12 @@ class ConnectorWorker:
     def _fail(self, load: LoadSpec) -> None:
         self.stats.record_failed_transfer()
         self._failed_recving.add(load.request_id)
-        for group in load.block_ids:
-            self._error_blocks.update(group)
+        # vLLM takes block-level load errors only with one KV cache group; with several (any
+        # hybrid model) the engine dies on them, and the request id in failed_recving is the
+        # whole report.
+        if len(self.groups) == 1:
+            for group in load.block_ids:
+                self._error_blocks.update(group)
 
     def _peer(self, address: str) -> _Peer:
         peer = self._peers.get(address)
