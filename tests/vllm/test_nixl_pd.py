@@ -8,81 +8,28 @@ in front (pdxfer's OpenAI API speaking the two-step protocol: the same tokens, s
 not)."""
 
 import json
-import os
 import random
-import re
-import signal
-import subprocess
-import sys
-import threading
 import urllib.request
-import uuid
-from dataclasses import dataclass
 
 import pytest
 
-from tests.support.launch import MAIN, ROOT, assert_no_leftovers
-from tests.vllm.servers import START_TIMEOUT_S, get_text, post_json
+from tests.vllm.servers import get_text, post_json
+from tests.vllm.up_stack import running_up
 from transfer.bench.vllm_metrics import fetch_connector_totals, histogram_sums
-from transfer.net import free_port
 from transfer.serving.openai.vllm_backend import post_completion
-from transfer.serving.procs import LAUNCH_ID_ENV
+from transfer.serving.vllm_servers import Connector
 
 pytestmark = pytest.mark.slow
 
 # vLLM's CPU build aligns the tiny Qwen3-Next's attention blocks to 384 tokens.
 PROMPT = [random.Random(7).randrange(3, 512) for _ in range(900)]
 MAX_TOKENS = 12
-STOP_TIMEOUT_S = 90.0
-
-
-@dataclass(frozen=True)
-class Stack:
-    prefill: str  # base URLs
-    decode: str
-    router: str
 
 
 @pytest.fixture(scope="module")
 def nixl_up(qwen3_next_checkpoint):
-    """`pdxfer up --engine vllm --connector nixl` (this interpreter's vLLM), stopped with
-    Ctrl-C (SIGINT) after the module; no process of it may survive."""
-    launch_id = uuid.uuid4().hex
-    args = ["up", "--engine", "vllm", "--connector", "nixl", "--model",
-            str(qwen3_next_checkpoint), "--http-port", str(free_port()),
-            "--timeout", str(START_TIMEOUT_S)]  # fmt: skip
-    proc = subprocess.Popen(
-        [sys.executable, "-c", MAIN, *args], cwd=ROOT, env={**os.environ, LAUNCH_ID_ENV: launch_id},
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    lines: list[str] = []
-    errors: list[str] = []
-    ready = threading.Event()
-
-    def read() -> None:
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith("OpenAI API at"):
-                ready.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    threading.Thread(target=lambda: errors.extend(proc.stderr), daemon=True).start()
-    try:
-        if not ready.wait(2 * START_TIMEOUT_S + 60):
-            pytest.fail(f"pdxfer up did not come up:\n{''.join(lines)}{''.join(errors)[-4000:]}")
-        text = "".join(lines)
-        urls = dict(re.findall(r"^(prefill|decode)\s+vLLM (http://\S+)", text, re.M))
-        router = re.search(r"OpenAI API at (http://\S+)/v1", text).group(1)
-        yield Stack(urls["prefill"], urls["decode"], router)
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            code = proc.wait(timeout=STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            code = proc.wait()
-        assert_no_leftovers(launch_id, wait_s=30.0)
-    assert code == 0, "".join(errors)[-4000:]
+    with running_up(qwen3_next_checkpoint, Connector.NIXL) as stack:
+        yield stack
 
 
 @pytest.fixture(scope="module")

@@ -2,8 +2,8 @@
 
 For each connector a prefill and a decode server start, one warm-up request runs (the first
 after start-up is far slower, most of all at TP 2), then every request goes one at a time:
-first the prefill server alone (a colocated run, with a cache salt so it shares no prefix
-blocks), then the two-step P/D protocol (`VllmEngine`, what pdxfer's router runs). The
+first the decode server alone (a colocated run at decode's TP, with a cache salt so it shares
+no prefix blocks), then the two-step P/D protocol (`VllmEngine`, what pdxfer's router runs). The
 connector's own `vllm:<connector>_*` histograms on both servers, read before and after, give
 bytes, descriptors and transfer time; TTFT is the two-step's time to the first token.
 """
@@ -101,7 +101,7 @@ def run_connector(
             before = _totals((prefill, decode), plan.connector)
             ttfts, tokens, colocated = [], [], []
             for i, prompt in enumerate(prompts):
-                alone = post_completion(prefill.url, prompt, requests.max_tokens,
+                alone = post_completion(decode.url, prompt, requests.max_tokens,
                                         cache_salt=f"colocated-{i}", timeout_s=timeout_s)  # fmt: skip
                 colocated.append(tuple(alone["choices"][0]["token_ids"]))
                 ttft, ids = _two_step(engine, prompt, requests.max_tokens)
