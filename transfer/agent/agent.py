@@ -10,6 +10,8 @@ destination memory back to its engine the moment it sees the key.
 
 from __future__ import annotations
 
+import contextlib
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -53,6 +55,9 @@ class _Pending:
     descriptors: int
     started: float
     errors: list[str] = field(default_factory=list)
+    deadline_at: float = math.inf  # time.monotonic() past which no READ may be posted
+    sealed: bool = True  # an open key (a stream) takes more reads and cannot finish yet
+    failed: set[int] = field(default_factory=set)  # handles whose failure is in `errors`
 
 
 def plan_reads(plan: TransferPlan, peers: Sequence[str]) -> list[PeerReads]:
@@ -81,6 +86,7 @@ class TransferAgent:
         self.metadata: bytes | None = None
         self._peers: dict[bytes, str] = {}
         self._pending: dict[str, _Pending] = {}
+        self._abandoned: dict[str, list[int]] = {}  # key -> transfers that may still move bytes
 
     def register(self, regions: Sequence[torch.Tensor]) -> bytes:
         """Register the rank's memory once (uint8 regions); returns its transport metadata."""
@@ -97,23 +103,93 @@ class TransferAgent:
             self._peers[metadata] = name
         return name
 
-    def post(self, key: str, reads: Sequence[PeerReads]) -> None:
-        """Start `reads` under `key`. A post that fails part-way leaves the key failed; it
-        still finishes only once what was posted has settled."""
+    def register_arena(self, arena: torch.Tensor) -> bytes:
+        """Register one arena (uint8 [nbytes]) instead of regions: offsets are arena offsets."""
+        if self.metadata is not None:
+            raise WrongState("agent: memory is already registered")
+        self.metadata = self.transport.register(arena)
+        return self.metadata
+
+    def post(
+        self,
+        key: str,
+        reads: Sequence[PeerReads],
+        deadline_s: float | None = None,
+        sealed: bool = True,
+        strict: bool = False,
+    ) -> None:
+        """Start `reads` under `key`, none posted later than `deadline_s` (default: the
+        agent's) from now. A post that fails part-way leaves the key failed; it still
+        finishes only once what was posted has settled. `sealed=False` opens a stream that
+        `extend` adds to and seals. `strict`: a refused post also raises, after recording."""
         if key in self._pending:
             raise WrongState(f"key {key!r}: already has transfers in flight")
-        pending = _Pending([], sum(r.ranges.total_bytes for r in reads), 0, time.monotonic())
+        now = time.monotonic()
+        deadline_at = now + (self.deadline_s if deadline_s is None else deadline_s)
+        pending = _Pending([], 0, 0, now, deadline_at=deadline_at, sealed=sealed)
         self._pending[key] = pending
+        self._post(pending, reads, strict)
+
+    def extend(self, key: str, reads: Sequence[PeerReads], last: bool, strict: bool = True) -> None:
+        """Post more reads of the open stream `key`; `last` seals it."""
+        pending = self._pending.get(key)
+        if pending is None or pending.sealed:
+            raise WrongState(f"key {key!r}: not an open stream")
+        self._post(pending, reads, strict)
+        pending.sealed = last
+
+    def _post(self, pending: _Pending, reads: Sequence[PeerReads], strict: bool) -> None:
+        deadline_s = pending.deadline_at - time.monotonic()
+        if deadline_s <= 0 and reads:
+            raise InvalidInput("transfer: past its deadline, no READ may be posted")
         for read in reads:
             try:
-                handle = self.transport.post(
-                    Op.READ, read.peer, read.ranges, deadline_s=self.deadline_s
-                )
+                handle = self.transport.post(Op.READ, read.peer, read.ranges, deadline_s=deadline_s)
             except Exception as exc:  # a peer gone, ranges refused: the key fails
                 pending.errors.append(f"posting to {read.peer}: {exc}")
+                if strict:
+                    raise
                 break
             pending.handles.append(handle)
+            pending.nbytes += read.ranges.total_bytes
             pending.descriptors += len(read.ranges)
+
+    def adopt(self, key: str, handles: Sequence[int]) -> None:
+        """Settle `handles` (transfers posted on `self.transport` by someone else, e.g. a
+        stream's progress reads) with `key`: it finishes, or settles, only after them too."""
+        if key in self._pending:
+            self._pending[key].handles.extend(handles)
+        else:
+            self._abandoned.setdefault(key, []).extend(handles)
+
+    def failure(self, key: str) -> str:
+        """Why `key` failed, as far as the last `poll` saw ("" while nothing failed). Bytes
+        may still land: the key finishes, or settles, only later."""
+        pending = self._pending.get(key)
+        return "; ".join(pending.errors) if pending is not None else ""
+
+    def abandon(self, key: str) -> bool:
+        """Stop waiting for `key`: it will not finish. True when none of its transfers can
+        still move bytes, so its memory may be reused; otherwise ask `settled` again."""
+        pending = self._pending.pop(key, None)
+        if pending is not None and pending.handles:
+            self._abandoned.setdefault(key, []).extend(pending.handles)
+        return self.settled(key)
+
+    def settled(self, key: str) -> bool:
+        """Release the abandoned `key`'s transfers that can no longer move bytes; True when
+        none remain."""
+        remaining = []
+        for handle in self._abandoned.pop(key, []):
+            status = self.transport.poll(handle)
+            if status.pending or not status.settled:
+                remaining.append(handle)
+            else:
+                with contextlib.suppress(ValueError):
+                    self.transport.release(handle)
+        if remaining:
+            self._abandoned[key] = remaining
+        return not remaining
 
     @property
     def in_flight(self) -> int:
@@ -126,14 +202,16 @@ class TransferAgent:
             unsettled = []
             for handle in pending.handles:
                 status = self.transport.poll(handle)
+                if status.failed and handle not in pending.failed:
+                    pending.failed.add(handle)
+                    pending.errors.append(status.reason)
                 if status.pending or (status.failed and not status.settled):
                     unsettled.append(handle)
                     continue
-                if status.failed:
-                    pending.errors.append(status.reason)
+                pending.failed.discard(handle)
                 self.transport.release(handle)
             pending.handles = unsettled
-            if unsettled:
+            if unsettled or not pending.sealed:
                 continue
             del self._pending[key]
             finished.append(
@@ -148,4 +226,7 @@ class TransferAgent:
         return finished
 
     def close(self) -> None:
+        """Close the transport: whatever still moves ends with it."""
+        self._pending.clear()
+        self._abandoned.clear()
         self.transport.close()
