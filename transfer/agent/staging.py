@@ -16,7 +16,7 @@ from transfer.cache.layout import Layout
 from transfer.errors import InvalidInput
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Copies:
     """Copies inside one rank's arena, as int64 columns of offsets: `src`, `dst`, `nbytes`.
     A staging gather has consecutive `dst`s, a staging scatter consecutive `src`s."""
