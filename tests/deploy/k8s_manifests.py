@@ -45,9 +45,6 @@ SHELL = ("sh", "-c")
 # `vllm serve --headless` (a multi-node group's other pods).
 VLLM_SERVER = ("python3", "-m", "vllm.entrypoints.openai.api_server")
 VLLM_SERVE = ("vllm", "serve")
-# The router's backend kinds (`pdxfer serve router --engine ...`): pdxfer's own workers,
-# or vLLM OpenAI servers with PdxferConnector (deploy/k8s/overlays/vllm).
-ROUTER_ENGINES = ("pdxfer", "vllm")
 
 _REFERENCE = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
 
@@ -256,24 +253,9 @@ def command_lines(objects: tuple[Any, ...]) -> Iterator[CommandLine]:
                 yield CommandLine(pod, container, variant, tuple(argv), tuple(missing))
 
 
-def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction) and name in action.choices:
-            return action.choices[name]
-    raise KeyError(f"pdxfer has no {name!r} command")
-
-
 @functools.cache
 def _cli() -> argparse.ArgumentParser:
-    """The real CLI parser. Until `pdxfer serve` has `--engine` (the router's vLLM
-    backend, landing separately), the flag is added here with the agreed shape,
-    `--engine {pdxfer,vllm}`, so that overlays/vllm's router line still parses; once the
-    CLI defines it, the real definition is used and this stand-in is dead."""
-    parser = build_parser()
-    serve = _subparser(parser, "serve")
-    if not any("--engine" in action.option_strings for action in serve._actions):
-        serve.add_argument("--engine", choices=ROUTER_ENGINES, default="pdxfer")
-    return parser
+    return build_parser()
 
 
 def parse_pdxfer(argv: tuple[str, ...]) -> argparse.Namespace:

@@ -79,9 +79,9 @@ class Engines:
     batch: BatchEngine
 
 
-def engines(model, num_slots: int = 4) -> Engines:
+def engines(model, num_slots: int = 4, block_size: int = BLOCK_SIZE) -> Engines:
     caches = LocalCaches(
-        model.geometry, tp=model.tp.size, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
+        model.geometry, tp=model.tp.size, num_blocks=NUM_BLOCKS, block_size=block_size,
         num_slots=num_slots,
     )  # fmt: skip
     gen = torch.Generator().manual_seed(7)

@@ -26,7 +26,7 @@ from transfer.control.types import DecodeRequest, PrefillRequest
 from transfer.errors import PdxferError
 from transfer.model.reference import reference_generate
 from transfer.presets import get_preset
-from transfer.serving.checkpoints import checkpoint_alignment
+from transfer.serving.checkpoints import PREFIX_UNIT
 from transfer.serving.instance import InstanceConfig
 from transfer.serving.verify import check_request
 
@@ -163,13 +163,15 @@ def test_a_stream_after_a_prefix_hit_on_both_sides_reads_only_the_new_tokens(tmp
     decode = start_decode(config("decode", model, 1, tmp_path, "decode-pc", prefix_cache=True),
                           "decode-pc", [prefill])  # fmt: skip
     try:
-        align = checkpoint_alignment(prefill.instance.block_size)
-        first = prompt(5, 2 * align + 5)
+        # the prefill hit ends 64 tokens into the second block (copied on write); decode
+        # holds the first block whole
+        hit_at = prefill.instance.block_size + PREFIX_UNIT
+        first = prompt(5, hit_at + 5)
         assert_streamed_exactly(model, prefill, decode, tmp_path, "turn-1", first)
         turn = first + prompt(6, 20)
         ticket, events = serve_one(prefill, decode, "turn-2", turn)
         held = len(first) // prefill.instance.block_size * prefill.instance.block_size
-        assert (ticket.cached_tokens, events[0].reused_decode_tokens) == (2 * align, held)
+        assert (ticket.cached_tokens, events[0].reused_decode_tokens) == (hit_at, held)
         assert [e.token for e in events] == reference_generate(get_preset(model), turn, MAX_TOKENS)
         assert check_request(get_preset(model), tmp_path, "turn-2", 1, 1).problems == ()
         per_token = sum(lay.kv_bytes_per_token for lay in decode.instance.layouts)

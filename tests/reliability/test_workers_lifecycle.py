@@ -54,8 +54,14 @@ MAX_TOKENS = 6
 LEASE_S = 30.0
 
 
-def start_prefill(dump_dir: Path, name: str) -> Side:
-    instance = Instance(config("prefill", dump_dir))
+# Each test runs on instances with the bare engine (no prefix cache, every READ direct),
+# and again with the production defaults (`serve`'s, which InstanceConfig's are: the prefix
+# cache and staging on).
+SETTINGS = {"bare": {"prefix_cache": False, "staging_bytes": 0}, "production": {}}
+
+
+def start_prefill(dump_dir: Path, name: str, settings: dict) -> Side:
+    instance = Instance(config("prefill", dump_dir, settings))
     address = f"127.0.0.1:{free_port()}"
     worker = PrefillWorker(instance, name, address, LEASE_S)
     server = serve(address, store=worker.store, identity=worker.identity, prefill=worker.prefill)
@@ -63,20 +69,24 @@ def start_prefill(dump_dir: Path, name: str) -> Side:
     return Side(instance, worker, server, address)
 
 
-def config(role: str, dump_dir: Path) -> InstanceConfig:
+def config(role: str, dump_dir: Path, settings: dict) -> InstanceConfig:
     geometry = get_preset(MODEL)
     return InstanceConfig(
         role, geometry, tp=1, budget_bytes=16 << 20, max_seqs=3, dump_dir=str(dump_dir),
-        prefix_cache=False, staging_bytes=0,
+        **settings,
     )  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def prefill_a(tmp_path_factory):
+@pytest.fixture(scope="module", params=sorted(SETTINGS))
+def prefill_a(request, tmp_path_factory):
     dump_dir = tmp_path_factory.mktemp("caches")
+    settings = SETTINGS[request.param]
     with pristine_ucx_env():
-        side = start_prefill(dump_dir, "prefill-a")
-    yield side, dump_dir
+        side = start_prefill(dump_dir, "prefill-a", settings)
+    production = request.param == "production"
+    assert (side.instance.prefix is not None) == production  # serve's default: on
+    assert (side.instance.config.staging_bytes > 0) == production
+    yield side, dump_dir, settings
     side.close()
 
 
@@ -84,9 +94,9 @@ def prefill_a(tmp_path_factory):
 def cluster(prefill_a):
     """A fresh decode instance per test: the stopped-peer tests leave UCX endpoints to a
     frozen peer behind, and later tests must not depend on how those settle."""
-    prefill, dump_dir = prefill_a
+    prefill, dump_dir, settings = prefill_a
     with pristine_ucx_env():
-        instance = Instance(config("decode", dump_dir))
+        instance = Instance(config("decode", dump_dir, settings))
     address = f"127.0.0.1:{free_port()}"
     worker = DecodeWorker(
         instance, "decode-a", ClientOptions(timeout_s=60.0), known_prefill=[prefill.address]
@@ -98,12 +108,12 @@ def cluster(prefill_a):
 
 
 @pytest.fixture
-def spare(tmp_path_factory, cluster):
+def spare(tmp_path_factory, prefill_a, cluster):
     """A second prefill instance that talks TCP only (over loopback), where a READ needs the
     target to make progress: stopping its rank (SIGSTOP) holds a transfer in flight as long
     as we like. Fresh per test, like the decode instance."""
     with pristine_ucx_env(UCX_TLS="tcp", UCX_NET_DEVICES="lo"):  # the rank process inherits
-        side = start_prefill(tmp_path_factory.mktemp("spare"), "prefill-spare")
+        side = start_prefill(tmp_path_factory.mktemp("spare"), "prefill-spare", prefill_a[2])
     cluster[1].worker.register_prefill([side.address])
     yield side
     side.close()
@@ -114,7 +124,8 @@ def assert_idle(*sides: Side) -> None:
         if isinstance(side.worker, PrefillWorker):
             assert side.worker.settle(), "prefill frees still running after 30 s"
         pools = side.instance.pools
-        assert pools.blocks.num_free == pools.blocks.num_total, side.worker
+        # cached blocks no request holds count as free (the prefix cache evicts on demand)
+        assert side.instance.free_kv_blocks == pools.blocks.num_total, side.worker
         assert pools.slots.num_free == pools.slots.num_total, side.worker
         if isinstance(side.worker, PrefillWorker):
             assert len(side.worker.store) == 0
@@ -188,11 +199,11 @@ def test_a_client_leaving_mid_batch_frees_exactly_its_request(cluster):
     }  # fmt: skip
     tokens = {name: [next(s).token, next(s).token] for name, s in streams.items()}
     pools = decode.instance.pools
-    before = pools.blocks.num_free, pools.slots.num_free
+    before = decode.instance.free_kv_blocks, pools.slots.num_free
     leaving = pools.get("leave")
     streams.pop("leave").close()
     assert pools.slots.num_free == before[1] + 1
-    assert pools.blocks.num_free == before[0] + len(leaving.block_ids)
+    assert decode.instance.free_kv_blocks == before[0] + len(leaving.block_ids)
     del tokens["leave"]
     for name, stream in streams.items():
         tokens[name] += [e.token for e in stream]

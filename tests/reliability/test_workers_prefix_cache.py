@@ -23,7 +23,7 @@ from transfer.control.client import ClientOptions
 from transfer.control.types import DecodeRequest, GenerateRequest, PrefillRequest
 from transfer.model.reference import reference_generate
 from transfer.presets import get_preset
-from transfer.serving.checkpoints import checkpoint_alignment
+from transfer.serving.checkpoints import PREFIX_UNIT
 from transfer.serving.instance import InstanceConfig
 from transfer.serving.prefill import PrefillWorker
 from transfer.serving.router import Router
@@ -112,17 +112,20 @@ def decode_caches(dump_dir: Path, rid: str) -> dict:
 def test_an_extended_prompt_hits_on_both_sides_and_matches_a_fresh_run(sides):
     model, cached, plain, decode, fresh_decode, dump_dir = sides
     geometry = get_preset(model)
-    align, block = checkpoint_alignment(cached.instance.block_size), cached.instance.block_size
-    first = prompt(1, 2 * align + 5)
+    align, block = PREFIX_UNIT, cached.instance.block_size
+    # The hit ends 64 tokens into a block (one of 128 or 256): that block's rows are copied
+    # on write, and decode still holds the whole block before it.
+    hit_at = block + align
+    first = prompt(1, hit_at + 5)
     turn = first + prompt(2, align // 2)
 
     ticket, _, event = generate(cached, decode, "turn-1", first)
     assert ticket.cached_tokens == event.reused_decode_tokens == 0
     whole_kv = event.kv_bytes
     ticket, hit_tokens, event = generate(cached, decode, "turn-2", turn)
-    assert ticket.cached_tokens == 2 * align  # the checkpoint at the first prompt's end
+    assert ticket.cached_tokens == hit_at  # the checkpoint at the first prompt's end
     held = len(first) // block * block  # turn 1's full prompt blocks stay on decode
-    assert event.cached_prompt_tokens == 2 * align and event.reused_decode_tokens == held
+    assert event.cached_prompt_tokens == hit_at and event.reused_decode_tokens == held
     _, fresh_tokens, fresh_event = generate(plain, fresh_decode, "turn-2-fresh", turn)
     # only the KV after the held blocks moved; the state crossed whole
     kv_per_token = fresh_event.kv_bytes / len(turn)
@@ -141,19 +144,19 @@ def test_an_extended_prompt_hits_on_both_sides_and_matches_a_fresh_run(sides):
     short = first + prompt(8, 3)
     ticket, hit_tokens, _ = generate(cached, decode, "short", short)
     _, fresh_tokens, _ = generate(plain, fresh_decode, "short-fresh", short)
-    assert ticket.cached_tokens == 2 * align and hit_tokens == fresh_tokens
+    assert ticket.cached_tokens == hit_at and hit_tokens == fresh_tokens
     hit, fresh = decode_caches(dump_dir, "short"), decode_caches(dump_dir, "short-fresh")
     different = [key for key in fresh if not torch.equal(fresh[key], hit[key])]
     assert different == []
     stats = cached.instance.prefix.stats()
-    assert (stats.hits, stats.hit_tokens) == (2, 4 * align)
+    assert (stats.hits, stats.hit_tokens) == (2, 2 * hit_at)
     for side in sides[1:5]:
         assert_idle(side)
 
 
 def test_a_prompt_diverging_inside_the_cached_prefix_hits_up_to_its_checkpoint(sides):
     model, cached, _, decode, _, _ = sides
-    align = checkpoint_alignment(cached.instance.block_size)
+    align = PREFIX_UNIT
     base = prompt(3, 3 * align)
     generate(cached, decode, "base", base)  # checkpoint at 3 * align only
     diverged = base[: 2 * align] + prompt(4, align)
@@ -167,7 +170,7 @@ def test_a_prompt_diverging_inside_the_cached_prefix_hits_up_to_its_checkpoint(s
 
 def test_an_evicted_prefix_misses_cleanly(sides):
     model, cached, _, decode, _, _ = sides
-    align = checkpoint_alignment(cached.instance.block_size)
+    align = PREFIX_UNIT
     base = prompt(6, 2 * align)
     generate(cached, decode, "to-evict", base)
     prefix = cached.instance.prefix
@@ -181,7 +184,9 @@ def test_an_evicted_prefix_misses_cleanly(sides):
 
 def test_the_router_sends_a_later_turn_where_its_prefix_is_cached(sides):
     model, cached, plain, decode, _, _ = sides
-    align = checkpoint_alignment(cached.instance.block_size)
+    # The router learns prefixes from the tickets' hashes, one per full KV block, so its
+    # hint needs a whole block; the hit itself is still counted in 64-token units.
+    block = cached.instance.block_size
     router = Router(
         [cached.address, plain.address], [decode.address], ClientOptions(timeout_s=60.0)
     )
@@ -191,7 +196,7 @@ def test_the_router_sends_a_later_turn_where_its_prefix_is_cached(sides):
         assert [e.token for e in events] == reference_generate(get_preset(model), ids, MAX_TOKENS)
         return events[0]
 
-    a, b = prompt(11, align + 5), prompt(12, align + 5)
+    a, b = prompt(11, block + 5), prompt(12, block + 5)
     try:
         first_event("a-1", a)  # in turn: the cached instance
         first_event("b-1", b)  # in turn: the plain one
@@ -201,7 +206,7 @@ def test_the_router_sends_a_later_turn_where_its_prefix_is_cached(sides):
         later_a = first_event("a-2", a + prompt(14, 7))
     finally:
         router.close()
-    assert later_a.cached_prompt_tokens == align
+    assert later_a.cached_prompt_tokens == (block + 5) // PREFIX_UNIT * PREFIX_UNIT
     assert later_b.cached_prompt_tokens == 0
     for side in (cached, plain, decode):
         assert_idle(side)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from transfer.agent import PeerReads, TransferAgent
+from transfer.agent import PeerReads, TransferAgent, stage_small
 from transfer.dataplane import Op, RangeBatch, make_transport, wait
 from transfer.dataplane.metadata import PeerInfo
 from transfer.dataplane.regions import REGION_GAP, RegionMap
@@ -138,6 +138,40 @@ def test_agent_failure_is_reported_once_settled():
         finished = a.poll()
         assert [f.key for f in finished] == ["bad"]
         assert not finished[0].ok and "arena" in finished[0].error
+    finally:
+        a.close()
+        b.close()
+
+
+def test_agent_stages_neighbouring_small_ranges():
+    """Pieces that sit together at the source but apart at the destination cross as one
+    read into staging, then land by local copies: fewer descriptors, the same bytes."""
+    a = TransferAgent(make_transport("nixl", f"sa{next(_names)}"))
+    b = TransferAgent(make_transport("nixl", f"sb{next(_names)}"))
+    try:
+        mine, theirs = _regions(None), _regions(4)
+        staging = torch.zeros(1 << 16, dtype=torch.uint8)
+        a.register([*mine, staging])
+        peer = a.connect(b.register(theirs))
+        v_mine, v_theirs = a.transport.region_map.regions, b.transport.region_map.regions
+        # 16 pieces of 256 B, 64 B apart at the source, reversed and spread at the destination.
+        remote = v_theirs[1].start + np.arange(16) * 320
+        local = v_mine[1].start + (15 - np.arange(16)) * 1024
+        nbytes = np.full(16, 256)
+        staged = stage_small(local, remote, nbytes, v_mine[-1].start)
+        assert len(staged.wire[2]) == 1 and staged.staged_ranges == 16
+        a.post("s", [PeerReads(peer, RangeBatch(*staged.wire))], staged.copies)
+        finished = []
+        for _ in range(20000):
+            finished += a.poll()
+            if finished:
+                break
+        assert finished[0].ok and finished[0].descriptors == 1
+        assert finished[0].nbytes == 15 * 320 + 256  # the gaps cross too
+        for i in range(16):
+            at, src = (15 - i) * 1024, i * 320
+            assert torch.equal(mine[1][at : at + 256], theirs[1][src : src + 256])
+        assert not mine[1][256:1024].any()  # nothing beyond the pieces
     finally:
         a.close()
         b.close()

@@ -10,12 +10,13 @@ import pytest
 import torch
 
 from tests.support.packer_reference import apply_memcpy, check_transfer
-from transfer.agent.staging import Copies, StagingArea, gather_to_staging, scatter_from_staging
+from transfer.agent.staging import Packed, StagingArea, check_copies, copy_within, gather_to_staging
 from transfer.cache import CachePools, KVOrder, Layout, LayoutOptions
 from transfer.geometry import GQASpec, LayerSpec, MLASpec, ModelGeometry
 from transfer.memplan import plan_memory
 from transfer.packer import Mode, StagingPolicy, TransferRequest, plan_transfer
 from transfer.presets import PRESETS, get_preset
+from transfer.serving.spec import Copies
 from transfer.sizing import CacheDtypes, size_model
 
 GIB = 2**30
@@ -164,8 +165,10 @@ def test_staging_with_the_pack_kernels_matches_memcpy():
         for plan in plans:
             for source in plan.sources:
                 d_arena = torch.from_numpy(d_arenas[plan.decode_rank])
-                d_area = StagingArea.of(decode[plan.decode_rank])
-                scatter_from_staging(d_arena, d_area, copies(source.scatter))
+                scatter = copies(source.scatter)
+                if len(scatter):
+                    check_copies(StagingArea.of(decode[plan.decode_rank]), scatter, Packed.SRC)
+                    copy_within(d_arena, scatter.src, scatter.dst, scatter.nbytes)
 
     rng = np.random.default_rng(7)
     assert check_transfer(prefill, decode, request, plans, rng, apply=apply_with_kernels) == []

@@ -17,29 +17,24 @@ from transfer.control.types import Ticket
 from transfer.errors import InvalidInput
 from transfer.memplan import plan_memory
 from transfer.presets import get_preset
-from transfer.serving.checkpoints import (
-    checkpoint_alignment,
-    checkpoint_positions,
-    checkpoint_stops,
-)
+from transfer.serving.checkpoints import PREFIX_UNIT, checkpoint_positions, checkpoint_stops
 from transfer.serving.commands import PrefillBatch, TokenPick
 from transfer.serving.prefill_batcher import PrefillBatcher
 
 
 @settings(max_examples=200, deadline=None)
 @given(
-    block=st.sampled_from([16, 64, 128, 256, 544]),
     num_tokens=st.integers(1, 5000),
-    cached_blocks=st.integers(0, 40),
+    cached_units=st.integers(0, 80),
     every=st.integers(0, 4),
 )
 def test_positions_are_aligned_after_the_hit_and_cover_the_prompt_end(
-    block, num_tokens, cached_blocks, every
+    num_tokens, cached_units, every
 ):
-    align = checkpoint_alignment(block)
-    cached = min(cached_blocks * align, (num_tokens - 1) // align * align)
+    align = PREFIX_UNIT  # whatever the block size
+    cached = min(cached_units * align, (num_tokens - 1) // align * align)
     interval = every * align
-    got = checkpoint_positions(num_tokens, cached, block, interval)
+    got = checkpoint_positions(num_tokens, cached, interval)
     assert got == sorted(set(got))
     assert all(p % align == 0 and cached < p <= num_tokens for p in got)
     last = num_tokens // align * align
@@ -50,11 +45,11 @@ def test_positions_are_aligned_after_the_hit_and_cover_the_prompt_end(
         assert len(got) <= 1
 
 
-def test_stops_name_the_block_each_position_ends():
+def test_stops_name_the_unit_each_position_ends():
     ids = list(range(300))
-    hashes = block_hashes(ids, 16)
-    stops = checkpoint_stops(hashes, 16, [64, 256])
-    assert stops == {64: hashes[3], 256: hashes[15]}
+    hashes = block_hashes(ids, PREFIX_UNIT)
+    stops = checkpoint_stops(hashes, [64, 256])
+    assert stops == {64: hashes[0], 256: hashes[3]}
 
 
 class RecordingRanks:
@@ -73,16 +68,23 @@ def test_batcher_ends_chunks_at_checkpoints_and_saves_them_in_the_caches_slots()
     batcher = PrefillBatcher(ranks, 1000, cache)
     try:
         prompt = tuple(range(200))
-        hashes = block_hashes(prompt, 16)
-        stops = checkpoint_stops(hashes, 16, [64, 128])
+        hashes = block_hashes(prompt, PREFIX_UNIT)
+        stops = checkpoint_stops(hashes, [64, 128])
         batcher.run("r", prompt, (0,), 0, checkpoints=stops)
         steps = [(c.context_len, len(c.tokens), c.checkpoint_to) for (c,) in ranks.chunks]
         assert steps == [(0, 64, 10), (64, 64, 11), (128, 72, -1)]
-        assert cache.checkpoint_of(hashes[3]) == 10 and cache.checkpoint_of(hashes[7]) == 11
+        assert cache.checkpoint_of(hashes[0]) == 10 and cache.checkpoint_of(hashes[1]) == 11
         # a hit restores in its first chunk only
         ranks.chunks.clear()
         batcher.run("s", prompt, (1,), 1, cached_tokens=128, restore_from=11)
         assert [(c.context_len, c.restore_from) for (c,) in ranks.chunks] == [(128, 11)]
+        # a hit ending inside a block copies that block's rows in its first chunk only
+        ranks.chunks.clear()
+        stops = checkpoint_stops(hashes, [192])
+        batcher.run("t", prompt, (1, 2), 2, cached_tokens=64, restore_from=10, copy_block=5,
+                    checkpoints=stops)  # fmt: skip
+        got = [(c.context_len, c.restore_from, c.copy_block) for (c,) in ranks.chunks]
+        assert got == [(64, 10, 5), (192, -1, -1)]
     finally:
         batcher.close()
 
@@ -94,6 +96,8 @@ def test_batcher_refuses_a_hit_without_a_checkpoint_or_covering_the_prompt():
             batcher.run("r", (1, 2, 3), (0,), 0, cached_tokens=2)
         with pytest.raises(InvalidInput, match="cached_tokens"):
             batcher.run("r", (1, 2, 3), (0,), 0, cached_tokens=3, restore_from=5)
+        with pytest.raises(InvalidInput, match="copy_block"):
+            batcher.run("r", (1, 2, 3), (0,), 0, copy_block=4)
     finally:
         batcher.close()
 
@@ -108,7 +112,7 @@ def test_a_failed_step_gives_its_reserved_checkpoint_back():
     batcher = PrefillBatcher(Failing(), 100, cache)
     try:
         prompt = tuple(range(64))
-        stops = checkpoint_stops(block_hashes(prompt, 16), 16, [64])
+        stops = checkpoint_stops(block_hashes(prompt, PREFIX_UNIT), [64])
         with pytest.raises(RuntimeError):
             batcher.run("r", prompt, (0,), 0, checkpoints=stops)
         assert cache.reserve_checkpoint(b"x" * 16) == 9  # free again

@@ -22,9 +22,10 @@ def _cached(block_size: int, prompt: list[int]) -> tuple[PrefixCache, list[int]]
     return cache, table
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(
-    block_size=st.sampled_from([64, 128, 192, 256]),
+    # the tiny presets' blocks are 112 to 256 tokens; hypothesis first found block 48 refused
+    block_size=st.integers(1, 16).map(lambda n: 16 * n) | st.sampled_from([48, 112, 160]),
     cached_len=st.integers(1, 600),
     shared=st.integers(0, 600),
     extra=st.integers(1, 100),

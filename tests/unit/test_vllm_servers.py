@@ -10,24 +10,25 @@ from transfer.serving.vllm_servers import (
     VllmServerSpec,
     connector_config,
     connector_env,
-    omp_bind_per_rank,
+    omp_binds,
     vllm_command,
     vllm_environment,
 )
 
 
 @pytest.mark.parametrize(
-    ("tp", "cpus", "expected"),
+    ("tps", "cpus", "expected"),
     [
-        (2, [0, 1], "0|1"),
-        (2, [0, 1, 2, 3], "0,1|2,3"),
-        (2, [4, 5, 6], "4|5"),
-        (4, [0, 1], "0|1|0|1"),
-        (1, [3, 1, 2], "1,2,3"),
+        ([2], [0, 1], ["0|1"]),
+        ([1, 1], [0, 1], ["0", "1"]),
+        ([2, 1], [0, 1], ["0|1", "0"]),
+        ([1, 2], [0, 1, 2, 3, 4, 5], ["0,1", "2,3|4,5"]),
+        ([2], [4, 5, 6], ["4|5"]),
+        ([1], [3, 1, 2], ["1,2,3"]),
     ],
 )
-def test_omp_bind_splits_cpus_between_ranks(tp, cpus, expected):
-    assert omp_bind_per_rank(tp, cpus) == expected
+def test_omp_binds_give_each_rank_its_own_cpus(tps, cpus, expected):
+    assert omp_binds(tps, cpus) == expected
 
 
 def test_command_carries_connector_config_as_json():

@@ -123,7 +123,7 @@ def test_router_addresses():
 def test_summary_percentiles_and_table():
     args = argparse.Namespace(
         model="tiny-qwen3-next", hf_config=None, transport="nixl", prefill_tp=2, decode_tp=1,
-        verify=True, prompt_len=8, max_tokens=2, transfer_mode="layerwise",
+        verify=True, prompt_len=8, max_tokens=2, transfer_mode="layerwise", ignore_eos=False,
     )  # fmt: skip
     outcomes = [
         Outcome(f"req-{i}", [1], tokens=[3, 4], ttft_ms=10.0 * (i + 1), transfer_ms=1.0 * (i + 1),

@@ -21,6 +21,7 @@ from transfer.serving.vllm_servers import (
     connector_env,
     start_vllm_server,
 )
+from transfer.serving.vllm_stack import VllmPdPlan, running_vllm_pd
 
 # Start-up on two shared cores: model load, then vLLM's warm-up (TP 2 is slower still).
 START_TIMEOUT_S = 300.0
@@ -69,7 +70,13 @@ def running_vllm(
 
 @contextlib.contextmanager
 def running_connector_vllm(
-    model: Path, connector: Connector, *, name: str, tp: int = 1, wait: bool = True
+    model: Path,
+    connector: Connector,
+    *,
+    name: str,
+    tp: int = 1,
+    wait: bool = True,
+    env: Mapping[str, str] | None = None,
 ) -> Iterator[VllmServer]:
     """A vLLM server with `connector` as its KV connector (kv_role kv_both: it can serve as
     prefill and as decode)."""
@@ -78,7 +85,7 @@ def running_connector_vllm(
         name=name,
         tp=tp,
         kv_transfer_config=connector_config(connector),
-        env=connector_env(connector),
+        env={**connector_env(connector), **(env or {})},
         wait=wait,
     ) as server:
         yield server
@@ -88,17 +95,19 @@ def running_connector_vllm(
 def running_pd_pair(
     model: Path, connector: Connector, *, prefill_tp: int = 1, decode_tp: int = 1
 ) -> Iterator[tuple[VllmServer, VllmServer]]:
-    """A prefill and a decode vLLM server with `connector`, started together."""
-    with contextlib.ExitStack() as stack:
-        prefill = stack.enter_context(
-            running_connector_vllm(model, connector, name="prefill", tp=prefill_tp, wait=False)
-        )
-        decode = stack.enter_context(
-            running_connector_vllm(model, connector, name="decode", tp=decode_tp, wait=False)
-        )
-        for server in (prefill, decode):
-            server.wait_healthy(START_TIMEOUT_S)
-        yield prefill, decode
+    """A prefill and a decode vLLM server with `connector`, started together, each on its own
+    share of the CPUs; their logs' tails are printed if the block raised."""
+    plan = VllmPdPlan(model, connector, sys.executable, prefill_tp, decode_tp)
+    log_dir = Path(tempfile.mkdtemp(prefix="vllm-pd-"))
+    with running_vllm_pd(plan, log_dir, START_TIMEOUT_S) as pair:
+        try:
+            yield pair
+        except BaseException:
+            for server in pair:
+                print(
+                    f"--- vLLM {server.spec.name} log ---\n{server.log_tail(80)}", file=sys.stderr
+                )
+            raise
 
 
 def post_json(url: str, body: Mapping[str, Any], timeout_s: float = REQUEST_TIMEOUT_S) -> dict:

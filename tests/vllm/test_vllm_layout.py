@@ -22,6 +22,7 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.worker.utils import allocate_kv_cache
 
+from transfer.agent import stage_small
 from transfer.cache.explicit_layout import ExplicitLayout
 from transfer.errors import InvalidInput
 from transfer.presets import from_hf_dict
@@ -104,14 +105,38 @@ def _describe(tp, conv_order=STATE_ORDER_SD, seed=None):
     return memory, flat, layers, specs
 
 
-def _apply(reads, prefill_flats, decode_flat, p_maps, d_map):
-    """A reference memcpy of every planned range (virtual offsets -> region bytes)."""
+def _apply(reads, prefill_flats, decode_flat, p_maps, d_map, staged=False):
+    """A reference memcpy of every planned range (virtual offsets -> region bytes); with
+    `staged`, small neighbouring ranges go through a staging area first, as the worker
+    posts them. Returns the descriptors posted."""
+    stage_at = d_map.extent + 4096
+    staging = np.zeros(8 << 20, dtype=np.uint8)
+    target = decode_flat.numpy()
+    descriptors = 0
     for rank, (src, dst, nbytes) in reads.per_source.items():
+        copies = None
+        if staged:
+            plan = stage_small(dst, src, nbytes, stage_at)
+            (dst, src, nbytes), copies = plan.wire, plan.copies
+            stage_at += plan.staging_bytes
+        descriptors += len(nbytes)
         s_at = p_maps[rank].addresses(src, nbytes, "src") - prefill_flats[rank].data_ptr()
-        d_at = d_map.addresses(dst, nbytes, "dst") - decode_flat.data_ptr()
-        source, target = prefill_flats[rank].numpy(), decode_flat.numpy()
-        for s, d, n in zip(s_at.tolist(), d_at.tolist(), nbytes.tolist(), strict=True):
-            target[d : d + n] = source[s : s + n]
+        source = prefill_flats[rank].numpy()
+        for s, d, n in zip(s_at.tolist(), dst.tolist(), nbytes.tolist(), strict=True):
+            if d >= d_map.extent:  # into staging
+                at = d - d_map.extent - 4096
+                staging[at : at + n] = source[s : s + n]
+            else:
+                at = int(d_map.addresses(np.array([d]), np.array([n]), "dst")[0])
+                at -= decode_flat.data_ptr()
+                target[at : at + n] = source[s : s + n]
+        if copies is not None:
+            for s, d, n in zip(*(c.tolist() for c in copies), strict=True):
+                at = int(d_map.addresses(np.array([d]), np.array([n]), "dst")[0])
+                at -= decode_flat.data_ptr()
+                s -= d_map.extent + 4096
+                target[at : at + n] = staging[s : s + n]
+    return descriptors
 
 
 def _expected_decode(tp_p, tp_d, rank, p_layers, src_ids, dst_ids, num_tokens, conv_order):
@@ -201,9 +226,10 @@ def test_layout_matches_vllm_views(conv_order):
     pair=st.sampled_from([(1, 1), (2, 1), (1, 2), (2, 2)]),
     num_tokens=st.integers(1, 2 * BLOCK),
     conv_order=st.sampled_from([STATE_ORDER_SD, STATE_ORDER_DS]),
+    staged=st.booleans(),
     data=st.data(),
 )
-def test_reads_copy_exactly_the_needed_bytes(pair, num_tokens, conv_order, data):
+def test_reads_copy_exactly_the_needed_bytes(pair, num_tokens, conv_order, staged, data):
     tp_p, tp_d = pair
     blocks = -(-num_tokens // BLOCK)
     ids = st.permutations(range(NUM_BLOCKS))
@@ -218,13 +244,15 @@ def test_reads_copy_exactly_the_needed_bytes(pair, num_tokens, conv_order, data)
         memory, flat, _, _ = _describe(tp_d, conv_order)
         d_layouts = [memory.layout(r) for r in range(tp_d)]
         reads = plan_load(GROUPS, p_layouts, d_layouts, rank, src_ids, dst_ids, num_tokens)
-        _apply(
+        posted = _apply(
             reads,
             [f for _, f, _, _ in prefill],
             flat,
             [m.region_map for m, *_ in prefill],
             memory.region_map,
+            staged,
         )
+        assert posted <= reads.descriptors
         expected = _expected_decode(
             tp_p, tp_d, rank, p_layers, src_ids, dst_ids, num_tokens, conv_order
         )
@@ -247,6 +275,27 @@ def test_one_range_per_head_and_state_at_tp1():
     assert reads.descriptors == 5
     state = 3 * (3 * 1024 * 2 + 4 * HEAD * HEAD * 4)
     assert reads.nbytes == 99 * 2 * 2 * HEAD * 2 + state
+
+
+@pytest.mark.parametrize("tp_p, tp_d", [(2, 1), (1, 2)])
+def test_staging_keeps_descriptors_at_or_below_nixl(tp_p, tp_d):
+    """Across TP sizes vLLM's default (time-major) conv state splits into a piece per step
+    and head; staged, each source's state pieces cross as one span: per decode rank at most
+    NixlConnector's 13 descriptors per source (its measured count at 2 -> 1)."""
+    prefill = [_describe(tp_p) for _ in range(tp_p)]
+    p_layouts = [m.layout(p) for p, (m, *_) in enumerate(prefill)]
+    memory, flat, _, _ = _describe(tp_d)
+    d_layouts = [memory.layout(r) for r in range(tp_d)]
+    src = [(1,), (2,), (3,), (0,)]
+    dst = [(4,), (0,), (1,), (2,)]
+    for rank in range(tp_d):
+        reads = plan_load(GROUPS, p_layouts, d_layouts, rank, src, dst, 99)
+        posted = _apply(
+            reads, [f for _, f, _, _ in prefill], flat, [m.region_map for m, *_ in prefill],
+            memory.region_map, staged=True,
+        )  # fmt: skip
+        assert posted < reads.descriptors
+        assert posted <= 13 * len(reads.per_source)
 
 
 def test_a_layout_it_cannot_read_fails_naming_it():

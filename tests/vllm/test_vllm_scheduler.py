@@ -214,7 +214,10 @@ def test_decode_aborted_before_its_transfer_frees_prefill(connectors, when):
         wait_for(lambda: decode.get_num_new_matched_tokens(req, 0)[0], "acquired")
     req.status = RequestStatus.FINISHED_ABORTED
     assert decode.request_finished_all_groups(req, ([], [], [], [])) == (False, None)
+    # Nothing else runs on decode: the connector alone must keep vLLM stepping.
+    assert decode.has_pending_push_work()
     assert wait_for(lambda: released_ids(prefill) or (step(decode) and None), "freed") == ["r2"]
+    wait_for(lambda: step(decode) and not decode.has_pending_push_work(), "nothing in flight")
 
 
 def test_lease_lapse_frees_prefill_and_is_counted(connectors):

@@ -16,8 +16,10 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
+from transfer.agent.staging import copy_within
 from transfer.dataplane import Op, RangeBatch, Transport
 from transfer.errors import InvalidInput, WrongState
 from transfer.packer import TransferPlan
@@ -54,6 +56,7 @@ class _Pending:
     nbytes: int
     descriptors: int
     started: float
+    copies: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
     errors: list[str] = field(default_factory=list)
     deadline_at: float = math.inf  # time.monotonic() past which no READ may be posted
     sealed: bool = True  # an open key (a stream) takes more reads and cannot finish yet
@@ -86,13 +89,16 @@ class TransferAgent:
         self.metadata: bytes | None = None
         self._peers: dict[bytes, str] = {}
         self._pending: dict[str, _Pending] = {}
+        self._regions: list[torch.Tensor] = []
+        self._arena: torch.Tensor | None = None  # set by `register_arena`
         self._abandoned: dict[str, list[int]] = {}  # key -> transfers that may still move bytes
 
     def register(self, regions: Sequence[torch.Tensor]) -> bytes:
         """Register the rank's memory once (uint8 regions); returns its transport metadata."""
         if self.metadata is not None:
             raise WrongState("agent: memory is already registered")
-        self.metadata = self.transport.register_regions(list(regions))
+        self._regions = list(regions)
+        self.metadata = self.transport.register_regions(self._regions)
         return self.metadata
 
     def connect(self, metadata: bytes) -> str:
@@ -108,30 +114,34 @@ class TransferAgent:
         if self.metadata is not None:
             raise WrongState("agent: memory is already registered")
         self.metadata = self.transport.register(arena)
+        self._arena = arena
         return self.metadata
 
     def post(
         self,
         key: str,
         reads: Sequence[PeerReads],
+        copies: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
         deadline_s: float | None = None,
         sealed: bool = True,
         strict: bool = False,
     ) -> None:
-        """Start `reads` under `key`, none posted later than `deadline_s` (default: the
-        agent's) from now. A post that fails part-way leaves the key failed; it still
-        finishes only once what was posted has settled. `sealed=False` opens a stream that
-        `extend` adds to and seals. `strict`: a refused post also raises, after recording."""
+        """Start `reads` under `key`; once all landed, run the local `copies` (staging
+        offset, destination offset, nbytes; offsets as the reads', `transfer.agent.staging`).
+        No READ is posted later than `deadline_s` (default: the agent's) from now. A post
+        that fails part-way leaves the key failed; it still finishes only once what was
+        posted has settled. `sealed=False` opens a stream that `extend` adds to and seals.
+        `strict`: a refused post also raises, after the key is marked failed."""
         if key in self._pending:
             raise WrongState(f"key {key!r}: already has transfers in flight")
         now = time.monotonic()
         deadline_at = now + (self.deadline_s if deadline_s is None else deadline_s)
-        pending = _Pending([], 0, 0, now, deadline_at=deadline_at, sealed=sealed)
+        pending = _Pending([], 0, 0, now, copies, deadline_at=deadline_at, sealed=sealed)
         self._pending[key] = pending
         self._post(pending, reads, strict)
 
     def extend(self, key: str, reads: Sequence[PeerReads], last: bool, strict: bool = True) -> None:
-        """Post more reads of the open stream `key`; `last` seals it."""
+        """Post more reads of the open stream `key` (within its deadline); `last` seals it."""
         pending = self._pending.get(key)
         if pending is None or pending.sealed:
             raise WrongState(f"key {key!r}: not an open stream")
@@ -142,6 +152,7 @@ class TransferAgent:
         deadline_s = pending.deadline_at - time.monotonic()
         if deadline_s <= 0 and reads:
             raise InvalidInput("transfer: past its deadline, no READ may be posted")
+        pending.nbytes += sum(r.ranges.total_bytes for r in reads)
         for read in reads:
             try:
                 handle = self.transport.post(Op.READ, read.peer, read.ranges, deadline_s=deadline_s)
@@ -151,7 +162,6 @@ class TransferAgent:
                     raise
                 break
             pending.handles.append(handle)
-            pending.nbytes += read.ranges.total_bytes
             pending.descriptors += len(read.ranges)
 
     def adopt(self, key: str, handles: Sequence[int]) -> None:
@@ -169,8 +179,9 @@ class TransferAgent:
         return "; ".join(pending.errors) if pending is not None else ""
 
     def abandon(self, key: str) -> bool:
-        """Stop waiting for `key`: it will not finish. True when none of its transfers can
-        still move bytes, so its memory may be reused; otherwise ask `settled` again."""
+        """Stop waiting for `key`: it will not finish, nor run its copies. True when none of
+        its transfers can still move bytes, so its memory may be reused; otherwise ask
+        `settled` again."""
         pending = self._pending.pop(key, None)
         if pending is not None and pending.handles:
             self._abandoned.setdefault(key, []).extend(pending.handles)
@@ -214,6 +225,8 @@ class TransferAgent:
             if unsettled or not pending.sealed:
                 continue
             del self._pending[key]
+            if not pending.errors and pending.copies is not None and len(pending.copies[2]):
+                self._copy(*pending.copies)
             finished.append(
                 Finished(
                     key,
@@ -224,6 +237,31 @@ class TransferAgent:
                 )
             )
         return finished
+
+    def _copy(self, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> None:
+        """Local copies inside the registered arena, or between registered regions (in
+        virtual offsets)."""
+        if self._arena is not None:
+            copy_within(self._arena, src, dst, nbytes)
+            return
+        region_map = self.transport.region_map
+        if region_map is None:
+            raise WrongState("agent: local copies need registered regions")
+        s_index = region_map.indices(src, nbytes, "copies.src")
+        d_index = region_map.indices(dst, nbytes, "copies.dst")
+        starts = [r.start for r in region_map.regions]
+        rows = zip(
+            s_index.tolist(),
+            src.tolist(),
+            d_index.tolist(),
+            dst.tolist(),
+            nbytes.tolist(),
+            strict=True,
+        )
+        for si, s, di, d, n in rows:
+            s -= starts[si]
+            d -= starts[di]
+            self._regions[di][d : d + n].copy_(self._regions[si][s : s + n])
 
     def close(self) -> None:
         """Close the transport: whatever still moves ends with it."""

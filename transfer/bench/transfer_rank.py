@@ -15,8 +15,11 @@ import zlib
 from dataclasses import dataclass
 from typing import Any
 
-from transfer.agent.staging import Copies, StagingArea
+import numpy as np
+
+from transfer.agent.staging import StagingArea
 from transfer.serving.rank_protocol import RankCommand
+from transfer.serving.spec import Copies
 
 BUILD = "transfer.bench.transfer_rank:build_bench_rank"
 POLL_SLEEP_S = 20e-6
@@ -63,6 +66,15 @@ def _copies(ranges) -> Copies:
     return Copies(ranges.src.copy(), ranges.dst.copy(), ranges.lengths.copy())
 
 
+def _unpack(scatters: tuple[Copies, ...]) -> tuple | None:
+    """The reading side's staged copies of a job, as the agent runs them after the READs."""
+    if not scatters:
+        return None
+    return tuple(
+        np.concatenate([getattr(c, f) for c in scatters]) for f in ("src", "dst", "nbytes")
+    )
+
+
 class BenchRank:
     def __init__(self, spec: BenchRankSpec) -> None:
         import torch
@@ -98,14 +110,18 @@ class BenchRank:
         ReadItems)` per group: each group is posted `ready_s` after the run starts."""
         if kind not in ("gather", "read", "stream"):
             raise ValueError(f"kind: expected 'gather', 'read' or 'stream', got {kind!r}")
+        from transfer.agent.staging import Packed, check_copies
+
         staged = [i.staged for i in items if i.staged is not None] if kind == "read" else items
+        if kind != "stream" and staged and self.spec.staging is None:
+            raise ValueError(f"job {job!r}: staged plans on a rank without a staging area")
         if kind == "gather":
             items = tuple(_copies(source.gather) for source in items if len(source.gather))
         elif kind == "read":
             scatters = tuple(_copies(source.scatter) for source in staged if len(source.scatter))
-            items = (items, scatters)
-        if kind != "stream" and staged and self.spec.staging is None:
-            raise ValueError(f"job {job!r}: staged plans on a rank without a staging area")
+            for copies in scatters:
+                check_copies(self.spec.staging, copies, Packed.SRC)
+            items = (items, _unpack(scatters))
         self.jobs[job] = (kind, items)
 
     def run(self, job: str, deadline_s: float) -> float:
@@ -130,15 +146,12 @@ class BenchRank:
         return [PeerReads(self.peers[i.prefill_rank], i.batch) for i in items]
 
     def _read(self, job: str, items: tuple, deadline_s: float) -> float:
-        """Post the READs, wait for every one, then unpack the staged part."""
-        from transfer.agent.staging import scatter_from_staging
-
-        reads, scatters = items
+        """Post the READs and wait until every one landed and the agent unpacked the staged
+        part."""
+        reads, unpack = items
         start = time.perf_counter()
         self._transfer(job, deadline_s, lambda: self.agent.post(
-            job, self._reads(reads), deadline_s=deadline_s, strict=True))  # fmt: skip
-        for copies in scatters:
-            scatter_from_staging(self.arena, self.spec.staging, copies)
+            job, self._reads(reads), unpack, deadline_s=deadline_s, strict=True))  # fmt: skip
         return time.perf_counter() - start
 
     def _stream(self, job: str, groups: tuple[tuple[float, tuple[ReadItem, ...]], ...],

@@ -272,8 +272,8 @@ class PrefixCache:
     def insert_prompt(
         self, hashes: Sequence[bytes], block_ids: Sequence[int], held: int = 0
     ) -> int:
-        """Register a prompt's full units after the first `held` (those came from the cache):
-        `hashes` [one per full unit], `block_ids` the request's block table."""
+        """Register a prompt's full units after the first `held` units (those came from the
+        cache): `hashes` [one per full unit], `block_ids` the request's block table."""
         pairs = []
         for i in range(held, len(hashes)):
             span = self._blocks_of(i)
@@ -298,9 +298,9 @@ class PrefixCache:
             pairs.append((h, blocks))
         with self._lock:
             new: dict[bytes, tuple[int, ...]] = {}  # validated before anything changes
-            owner: dict[int, bytes] = {}  # a block holds one unit when units span blocks
+            owner: dict[int, bytes] = {}  # a block holds one unit when units are whole blocks
             for h, blocks in pairs:
-                for b in blocks if self.unit >= self.block_size else ():
+                for b in blocks if self.unit % self.block_size == 0 else ():
                     known = self._lru[b][0] if self._lru.get(b) else owner.get(b, h)
                     if known != h:
                         raise InvalidInput(f"hashed_blocks: block {b} has another hash")

@@ -25,6 +25,7 @@ def _benchmarks() -> list:
     from transfer.cli import bench_serve as serve_bench
     from transfer.cli import bench_step as step_bench
     from transfer.cli import bench_transfer as transfer_bench
+    from transfer.cli import bench_vllm as vllm_bench
 
     return [
         kernels_bench.register,
@@ -33,4 +34,5 @@ def _benchmarks() -> list:
         transfer_bench.register,
         serve_bench.register,
         step_bench.register,
+        vllm_bench.register,
     ]

@@ -8,7 +8,7 @@ import os
 from transfer.cli.model_args import add_served_model_arguments
 from transfer.serving.progress import TRANSFER_MODES
 from transfer.serving.role import ServeRole
-from transfer.serving.serve_options import ANY_PORT
+from transfer.serving.serve_options import ANY_PORT, RouterBackend
 from transfer.serving.serve_options import serve_default as _D
 
 ROLES = tuple(ServeRole)
@@ -141,7 +141,7 @@ def add_instance_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=_D("checkpoint_interval"),
         help="prefill with --prefix-cache: also checkpoint every this many prompt tokens, a "
-        "multiple of lcm(block size, 64); 0 checkpoints prompt ends only (default %(default)s)",
+        "multiple of 64; 0 checkpoints prompt ends only (default %(default)s)",
     )
     parser.add_argument(
         "--transfer-mode",
@@ -229,18 +229,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_worker_arguments(parser)
     router = parser.add_argument_group("router")
     router.add_argument(
+        "--engine",
+        choices=[engine.value for engine in RouterBackend],
+        default=_D("engine").value,
+        help="what the router fronts: pdxfer's workers (gRPC HOST:PORT) or vLLM OpenAI servers "
+        "with a KV connector (http://HOST:PORT; vLLM's two-step P/D protocol; needs "
+        f"--http-port) (default {_D('engine').value})",
+    )
+    router.add_argument(
         "--prefill",
         action="append",
         default=[],
-        metavar="HOST:PORT",
-        help="a prefill instance (repeat; DNS names of headless Services resolve to all pods)",
+        metavar="ADDRESS",
+        help="a prefill instance, HOST:PORT (--engine vllm: http://HOST:PORT) (repeat; DNS "
+        "names of headless Services resolve to all pods)",
     )
     router.add_argument(
         "--decode",
         action="append",
         default=[],
-        metavar="HOST:PORT",
-        help="a decode instance (repeat)",
+        metavar="ADDRESS",
+        help="a decode instance, like --prefill (repeat)",
     )
     decode = parser.add_argument_group("decode")
     decode.add_argument(

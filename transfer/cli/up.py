@@ -14,8 +14,9 @@ from pathlib import Path
 
 from transfer.cli.model_args import add_served_model_arguments
 from transfer.cli.serve import add_http_arguments, add_instance_arguments, instance_option_names
+from transfer.cli.vllm_args import add_connector_argument, add_vllm_server_arguments
 from transfer.errors import InvalidInput
-from transfer.serving.serve_options import serve_default, serve_flags
+from transfer.serving.serve_options import RouterBackend, serve_default, serve_flags
 from transfer.serving.supervise import RestartPolicy
 
 
@@ -28,8 +29,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "Ctrl-C or SIGTERM; then stop everything, leaving no process. A prefill or decode "
         "instance that dies is started again (see --max-restarts) while the router serves "
         "the others; restarts are counted at the printed `up` metrics URL. Logs go to a "
-        "folder printed at start-up, removed on a clean stop (a killed `up` leaves it).",
+        "folder printed at start-up, removed on a clean stop (a killed `up` leaves it). "
+        "With --engine vllm the instances are vLLM OpenAI servers (--vllm-python) whose KV "
+        "connector (--connector) moves the cache, and --model must be a checkpoint directory.",
     )
+    parser.add_argument(
+        "--engine",
+        choices=[engine.value for engine in RouterBackend],
+        default=serve_default("engine").value,
+        help="pdxfer (default): pdxfer's own workers; vllm: one vLLM prefill and one vLLM "
+        "decode server with a KV connector (the flags of pdxfer's workers, e.g. --transport, "
+        "--gpu-mem, --max-seqs, do not apply)",
+    )
+    add_connector_argument(parser)
+    add_vllm_server_arguments(parser)
     add_served_model_arguments(parser)
     parser.add_argument("--prefill-instances", type=int, default=1, help="(default 1)")
     parser.add_argument("--decode-instances", type=int, default=1, help="(default 1)")
@@ -66,6 +79,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if RouterBackend(args.engine) is RouterBackend.VLLM:
+        from transfer.cli.up_vllm import run_vllm_up
+
+        return run_vllm_up(args)
     from transfer.presets import looks_like_path
     from transfer.serving.procs import (
         LAUNCH_ID_ENV,

@@ -112,6 +112,26 @@ class RankEngine:
                     view[dst].copy_(view[src])
         self.slots.phases[dst] = SlotPhase.READY
 
+    def copy_kv_rows(self, src: int, block_ids: Sequence[int], num_tokens: int) -> None:
+        """Copy on write of a prefix hit that ends inside a block: the first
+        `num_tokens % block_size` KV rows of block `src` (a cached block) go into the
+        request's block holding token `num_tokens`, `block_ids[num_tokens // block_size]`,
+        in every attention layer. The copies are the bytes exactly."""
+        size = self.caches.block_size
+        index, rows = divmod(num_tokens, size)
+        if not rows or index >= len(block_ids):
+            raise ValueError(
+                f"copy_kv_rows: {num_tokens} tokens end on a block boundary or past "
+                f"{len(block_ids)} blocks of {size}"
+            )
+        dst = block_ids[index]
+        self._check_blocks([src, dst], "copy_kv_rows blocks")
+        with torch.inference_mode():
+            for layer in self.geometry.attention_layers:
+                for tensor in layer.cache_tensors():
+                    view = self.caches.kv(layer.index, tensor.name)
+                    view[dst, :rows].copy_(view[src, :rows])
+
     # -- steps ----------------------------------------------------------------------------
 
     def prefill(self, prompt_ids: Sequence[int], block_ids: Sequence[int], slot: int) -> int:

@@ -5,8 +5,8 @@ chunked scans cut a sequence into chunks counted from its first token, and a chu
 arithmetic depends only on its tokens and the state entering it. So a prompt stopped at a
 multiple of the scan chunk and continued from the saved state runs the same operations on
 the same values as one that never stopped: a prefix hit gives the bits of a fresh prefill.
-Positions are therefore multiples of both the block size (a checkpoint belongs to the block
-it ends) and `SCAN_CHUNK_ALIGN`.
+Positions are therefore multiples of `PREFIX_UNIT`, the scan chunk, whatever the KV block
+size: a hit that ends inside a block copies that block's rows (copy on write).
 
 Memory against recompute: each checkpoint slot costs one request's state. Checkpoints at
 prompt ends only (the default) serve multi-turn chat, where turn N+1 extends turn N; an
@@ -17,34 +17,26 @@ interval of every long prompt.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 DEFAULT_STATE_CHECKPOINTS = 16  # serve --state-checkpoints
 SCAN_CHUNK_ALIGN = 64  # the largest scan chunk (Triton's); the CPU path's 32 divides it
+# The prefill prefix cache's hashing and match unit, and the checkpoint spacing: a prompt
+# sharing T tokens with a cached one reuses PREFIX_UNIT * floor(T / PREFIX_UNIT) of them.
+PREFIX_UNIT = SCAN_CHUNK_ALIGN
 
 
-def checkpoint_alignment(block_size: int) -> int:
-    """Tokens between possible checkpoint positions."""
-    return math.lcm(block_size, SCAN_CHUNK_ALIGN)
-
-
-def checkpoint_positions(
-    num_tokens: int, cached_tokens: int, block_size: int, interval: int = 0
-) -> list[int]:
+def checkpoint_positions(num_tokens: int, cached_tokens: int, interval: int = 0) -> list[int]:
     """Where a prompt of `num_tokens` whose first `cached_tokens` are a prefix hit saves
-    its state: the last aligned position of the prompt and, with an `interval` (a multiple
-    of the alignment), every multiple of it; only positions after the hit."""
-    align = checkpoint_alignment(block_size)
-    last = num_tokens // align * align
+    its state: the last multiple of `PREFIX_UNIT` in the prompt and, with an `interval` (a
+    multiple of it), every multiple of the interval; only positions after the hit."""
+    last = num_tokens // PREFIX_UNIT * PREFIX_UNIT
     positions = set(range(interval, last + 1, interval)) if interval else set()
     if last:
         positions.add(last)
     return sorted(p for p in positions if p > cached_tokens)
 
 
-def checkpoint_stops(
-    hashes: Sequence[bytes], block_size: int, positions: Sequence[int]
-) -> dict[int, bytes]:
-    """Each position -> the hash of the block it ends."""
-    return {p: hashes[p // block_size - 1] for p in positions}
+def checkpoint_stops(unit_hashes: Sequence[bytes], positions: Sequence[int]) -> dict[int, bytes]:
+    """Each position -> the hash of the `PREFIX_UNIT`-token unit it ends."""
+    return {p: unit_hashes[p // PREFIX_UNIT - 1] for p in positions}

@@ -82,8 +82,11 @@ class PrefillChunk:
     a FREE slot), into `block_ids`/`slot`; the chunk that ends the prompt picks token 0 of
     the `sampling` stream. Prefix cache: `restore_from` (a checkpoint slot, or -1) is copied
     into `slot` before the step (the state after `context_len` cached tokens), and `slot`
-    is copied into `checkpoint_to` (or -1) after it. A streamed prompt's chunks publish their
-    progress (`transfer.serving.progress`) as the step's layer groups finish."""
+    is copied into `checkpoint_to` (or -1) after it. A hit that ends inside a block names
+    the cached block holding its last rows as `copy_block` (or -1): its first
+    `context_len % block_size` KV rows are copied into the prompt's own block at
+    `context_len // block_size` before the step (copy on write). A streamed prompt's chunks
+    publish their progress (`transfer.serving.progress`) as the step's layer groups finish."""
 
     tokens: tuple[int, ...]
     context_len: int
@@ -94,6 +97,7 @@ class PrefillChunk:
     checkpoint_to: int = -1
     stream_key: int = 0  # layer-wise streaming: publish progress under this key (0: don't)
     ends_prompt: bool = False  # this chunk's pick is the prompt's first token
+    copy_block: int = -1
 
 
 @dataclass(frozen=True)

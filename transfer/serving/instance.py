@@ -25,10 +25,7 @@ from transfer.errors import InvalidInput
 from transfer.geometry import ModelGeometry
 from transfer.memplan import MemoryPlan, PagePolicy, plan_memory
 from transfer.serving.admission import Admission
-from transfer.serving.checkpoints import (
-    SCAN_CHUNK_ALIGN,
-    checkpoint_alignment,
-)
+from transfer.serving.checkpoints import PREFIX_UNIT
 from transfer.serving.commands import Info
 from transfer.serving.progress import TransferMode
 from transfer.serving.ranks import RankGroup
@@ -100,8 +97,11 @@ class InstanceConfig:
             raise InvalidInput(
                 f"state_checkpoints: a prefill prefix cache needs >= 1, got {self.state_checkpoints}"
             )
-        if self.checkpoint_interval < 0:
-            raise InvalidInput(f"checkpoint_interval: must be >= 0, got {self.checkpoint_interval}")
+        if self.checkpoint_interval < 0 or self.checkpoint_interval % PREFIX_UNIT:
+            raise InvalidInput(
+                f"checkpoint_interval: must be a multiple of {PREFIX_UNIT} tokens >= 0, "
+                f"got {self.checkpoint_interval}"
+            )
         if self.stream_layers < 1:
             raise InvalidInput(f"stream_layers: must be >= 1, got {self.stream_layers}")
         if self.staging_min_ranges < 1:
@@ -235,13 +235,12 @@ class Instance:
     def _prefix_cache(self) -> PrefixCache | None:
         if not self.config.prefix_cache:
             return None
-        align = checkpoint_alignment(self.plan.block_size)
-        if self.config.role is ServeRole.PREFILL and self.config.checkpoint_interval % align:
-            raise InvalidInput(
-                f"checkpoint_interval: must be a multiple of {align} tokens (blocks of "
-                f"{self.plan.block_size}, scan chunks of {SCAN_CHUNK_ALIGN})"
-            )
-        prefix = PrefixCache(self.pools.blocks, self.plan.block_size, self.plan.checkpoint_slot_ids)
+        # Prefill matches 64-token units (a hit may end inside a block, whose rows it then
+        # copies); decode keeps whole blocks only, because the state crosses whole.
+        unit = PREFIX_UNIT if self.config.role is ServeRole.PREFILL else self.plan.block_size
+        prefix = PrefixCache(
+            self.pools.blocks, self.plan.block_size, self.plan.checkpoint_slot_ids, unit=unit
+        )
         self.pools.evictor = prefix.evict
         return prefix
 

@@ -30,7 +30,7 @@ from transfer.control.types import (
     compat_hash,
 )
 from transfer.errors import CapacityError, DeadlineExceeded, InvalidInput, PdxferError
-from transfer.serving.checkpoints import checkpoint_positions, checkpoint_stops
+from transfer.serving.checkpoints import PREFIX_UNIT, checkpoint_positions, checkpoint_stops
 from transfer.serving.commands import Release, Snapshot, StageGather, TokenPick
 from transfer.serving.frees import FreeQueue
 from transfer.serving.instance import Instance
@@ -57,7 +57,8 @@ class _Allocated:
     slot: int
     sampling: SamplingParams
     hit: PrefixHit
-    hashes: tuple[bytes, ...]
+    hashes: tuple[bytes, ...]  # one per full block: the ticket's, for decode and the router
+    unit_hashes: tuple[bytes, ...]  # one per full PREFIX_UNIT: this instance's prefix cache
     cancelled: threading.Event = field(default_factory=threading.Event)
     done: threading.Event = field(default_factory=threading.Event)
 
@@ -133,10 +134,12 @@ class PrefillWorker:
             raise DeadlineExceeded(
                 f"request_id {rid!r}: its last attempt's cache was not freed within {FREE_WAIT_S:g} s"
             )
-        prefix, hit = self.instance.prefix, NO_HIT
-        hashes = block_hashes(prompt, self.instance.block_size)  # for decode's cache too
+        prefix, hit, block_size = self.instance.prefix, NO_HIT, self.instance.block_size
+        hashes = block_hashes(prompt, block_size)  # for decode's cache too
+        units = hashes
         if prefix is not None:
-            hit = prefix.match(hashes, num_tokens - 1, rid)
+            units = hashes if block_size == PREFIX_UNIT else block_hashes(prompt, PREFIX_UNIT)
+            hit = prefix.match(units, num_tokens - 1, rid)
         try:
             cache = self.instance.admission.allocate(rid, num_tokens, prefix_blocks=hit.block_ids)
         except BaseException:
@@ -145,7 +148,7 @@ class PrefillWorker:
         if self.metrics is not None:
             self.metrics.record_block_runs(count_runs(cache.block_ids))
         blocks, slot = tuple(cache.block_ids), cache.slot_ids[0]
-        job = _Allocated(rid, prompt, blocks, slot, request.sampling, hit, hashes)
+        job = _Allocated(rid, prompt, blocks, slot, request.sampling, hit, hashes, units)
         if self.instance.config.transfer_mode is TransferMode.LAYERWISE:
             return self._publish_early(job)
         try:
@@ -167,25 +170,25 @@ class PrefillWorker:
         try:
             stops = {}
             if prefix is not None:
-                bs, interval = self.instance.block_size, self.instance.config.checkpoint_interval
-                positions = checkpoint_positions(num_tokens, hit.num_tokens, bs, interval)
-                stops = checkpoint_stops(job.hashes, bs, positions)
+                interval = self.instance.config.checkpoint_interval
+                positions = checkpoint_positions(num_tokens, hit.num_tokens, interval)
+                stops = checkpoint_stops(job.unit_hashes, positions)
             first = self.batcher.run(
                 job.request_id, job.prompt_ids, job.block_ids, job.slot, job.sampling,
                 is_cancelled, cached_tokens=hit.num_tokens,
                 restore_from=-1 if hit.checkpoint_slot is None else hit.checkpoint_slot,
                 checkpoints=stops, stream_key=stream_key,
+                copy_block=-1 if hit.copy_from is None else hit.copy_from,
             )  # fmt: skip
             if prefix is not None:
-                prefix.insert_prompt(job.hashes, job.block_ids, len(hit.block_ids))
+                prefix.insert_prompt(job.unit_hashes, job.block_ids, hit.num_tokens // prefix.unit)
             if self.instance.config.dump_dir:
                 self.instance.ranks.call(
                     Snapshot(job.request_id, ServeRole.PREFILL, job.block_ids, job.slot, num_tokens)
                 )
             return first
         finally:
-            if hit.checkpoint_slot is not None:
-                prefix.unpin(hit.checkpoint_slot)
+            self._let_go(hit)
             if self.metrics is not None and prefix is not None:
                 self.metrics.record_prefix(prefix.counts())
 
@@ -207,8 +210,7 @@ class PrefillWorker:
             with self._jobs_lock:
                 self._jobs.pop(job.request_id, None)
             self._free(job.request_id, job.slot)
-            if job.hit.checkpoint_slot is not None:
-                self.instance.prefix.unpin(job.hit.checkpoint_slot)
+            self._let_go(job.hit)
             raise
         thread = threading.Thread(
             target=self._run_streamed, args=(job, key), name="prefill-stream", daemon=True
@@ -233,8 +235,15 @@ class PrefillWorker:
         """Give back what a prefix hit took when the request could not be allocated."""
         if hit.block_ids:
             self.instance.pools.blocks.free_request(rid)
+        self._let_go(hit)
+
+    def _let_go(self, hit: PrefixHit) -> None:
+        """The hit's state and partial block were copied (or never will be): unpin its
+        checkpoint and drop the reference on the block it copied from."""
         if hit.checkpoint_slot is not None:
             self.instance.prefix.unpin(hit.checkpoint_slot)
+        if hit.copy_from is not None:
+            self.instance.prefix.release_copy_source(hit.copy_from)
 
     def stage(self, request: StageRequest) -> int:
         """Pack a held ticket's ranges (`request.ranks[r]` on rank r) back to back into one

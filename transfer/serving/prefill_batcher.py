@@ -43,6 +43,7 @@ class _Prompt:
     restore_from: int = -1  # the checkpoint slot to start from (until the first chunk ran)
     stops: dict[int, bytes] = field(default_factory=dict)  # checkpoint position -> block hash
     stream_key: int = 0  # publish progress for a layer-wise stream under this key
+    copy_block: int = -1  # the cached block whose rows the hit ends in (until the first chunk)
     result: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
 
     def take(self, budget: int, first: bool) -> int:
@@ -95,12 +96,14 @@ class PrefillBatcher:
         restore_from: int = -1,
         checkpoints: dict[int, bytes] | None = None,
         stream_key: int = 0,
+        copy_block: int = -1,
     ) -> TokenPick:
         """Prefill the prompt into `block_ids`/`slot` (a FREE slot); the first generated
         token. Raises `Cancelled` once `is_cancelled()` is seen true between chunks; the
         slot is then part-filled and its owner releases it. A prefix hit passes its
         `cached_tokens` (already in the first blocks) and the checkpoint slot holding the
-        state after them; `checkpoints` maps token positions to the hash of the block each
+        state after them; when those tokens end inside a block, `copy_block` is the cached
+        block whose rows the first chunk copies into the prompt's own; `checkpoints` maps token positions to the hash of the block each
         ends, whose state is saved there when the prefix cache has room. A `stream_key`
         makes the ranks publish the prompt's progress as its layers finish."""
         if not prompt_ids:
@@ -110,10 +113,12 @@ class PrefillBatcher:
                 f"cached_tokens: {cached_tokens} must be below the prompt's {len(prompt_ids)} "
                 "tokens, and come with a checkpoint slot to restore"
             )
+        if copy_block >= 0 and not cached_tokens:
+            raise InvalidInput("copy_block: only a prefix hit copies a cached block")
         prompt = _Prompt(request_id, tuple(prompt_ids), tuple(block_ids), slot, sampling,
                          is_cancelled, cached_tokens, restore_from,
                          dict(checkpoints or {}) if self.prefix is not None else {},
-                         stream_key=stream_key)  # fmt: skip
+                         stream_key=stream_key, copy_block=copy_block)  # fmt: skip
         with self._cond:
             if self._closed:
                 raise Closed("prefill batcher: the instance is shutting down")
@@ -169,7 +174,7 @@ class PrefillBatcher:
         chunks = tuple(
             PrefillChunk(p.prompt_ids[p.done : p.done + n], p.done, p.block_ids, p.slot,
                          p.sampling, p.restore_from, -1 if save is None else save[1],
-                         p.stream_key, p.done + n == len(p.prompt_ids))
+                         p.stream_key, p.done + n == len(p.prompt_ids), p.copy_block)
             for (p, n), save in zip(batch, saves, strict=True)
         )  # fmt: skip
         begin = time.perf_counter()
@@ -200,7 +205,7 @@ class PrefillBatcher:
         )  # fmt: skip
         for (prompt, n), pick in zip(batch, picks, strict=True):
             prompt.done += n
-            prompt.restore_from = -1
+            prompt.restore_from = prompt.copy_block = -1
             if prompt.done == len(prompt.prompt_ids):
                 self._finish(prompt, pick)
 

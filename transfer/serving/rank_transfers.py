@@ -18,19 +18,12 @@ from dataclasses import dataclass
 import torch
 
 from transfer.agent import Finished, PeerReads, TransferAgent
-from transfer.agent.staging import (
-    Copies,
-    Packed,
-    StagingArea,
-    check_copies,
-    gather_to_staging,
-    scatter_from_staging,
-)
+from transfer.agent.staging import Packed, StagingArea, check_copies, gather_to_staging
 from transfer.cache.layout import Layout
 from transfer.dataplane import RangeBatch
 from transfer.serving.commands import RankTransferStatus, StreamSource, TransferState
 from transfer.serving.progress import entry_offset
-from transfer.serving.spec import WARMUP_BYTES, RankReads
+from transfer.serving.spec import WARMUP_BYTES, Copies, RankReads
 from transfer.serving.stream_reader import ProgressReader
 
 # A whole transfer of at most SETTLE_MAX_BYTES is polled for up to TRANSFER_SETTLE_S by
@@ -51,7 +44,6 @@ _WARMUP_KEY = "\0warm-up"
 class _Transfer:
     slot: int
     posted_at: float  # time.monotonic() on this rank
-    scatter: Copies  # unpacks the staged part once every READ landed
     instance: str  # the prefill instance it reads from
     status: RankTransferStatus = RankTransferStatus(TransferState.PENDING)
     sealed: bool = True  # a stream is sealed by its last `post`
@@ -156,11 +148,14 @@ class RankTransfers:
             reader = ProgressReader(self.agent.transport, peers, stream.entries, local,
                                     self.buffer, deadline_s)  # fmt: skip
         self.mark_filling(slot, block_ids)
-        transfer = _Transfer(slot, time.monotonic(), mine.scatter, instance,
-                             sealed=stream is None, reader=reader)  # fmt: skip
+        transfer = _Transfer(slot, time.monotonic(), instance, sealed=stream is None,
+                             reader=reader)  # fmt: skip
         self.transfers[request_id] = transfer
         try:
-            self.agent.post(request_id, _peer_reads(peers, mine), deadline_s=deadline_s,
+            # The agent unpacks the staged part once every READ landed.
+            scatter = mine.scatter
+            self.agent.post(request_id, _peer_reads(peers, mine),
+                            (scatter.src, scatter.dst, scatter.nbytes), deadline_s=deadline_s,
                             sealed=transfer.sealed, strict=True)  # fmt: skip
             if reader is not None:
                 reader.advance()
@@ -229,7 +224,6 @@ class RankTransfers:
             if reader is not None:
                 transfer.status = RankTransferStatus(TransferState.PENDING, progress=reader.words)
         elif finished is not None:
-            scatter_from_staging(self.buffer, self.area, transfer.scatter)
             self.mark_ready(transfer.slot)
             seconds = time.monotonic() - transfer.posted_at
             transfer.status = RankTransferStatus(TransferState.DONE, seconds)

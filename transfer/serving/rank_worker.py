@@ -107,6 +107,8 @@ class RankWorker:
         for c in chunks:
             if c.restore_from >= 0:
                 self.engine.copy_state(c.restore_from, c.slot)
+            if c.copy_block >= 0:
+                self.engine.copy_kv_rows(c.copy_block, c.block_ids, c.context_len)
         sequences = [SequenceStep(c.tokens, c.slot, c.block_ids, c.context_len) for c in chunks]
         samplers = [_sampler(c.sampling) for c in chunks]
         streamed = [

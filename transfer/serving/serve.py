@@ -25,7 +25,7 @@ from transfer.serving.interfaces import advertised_host, interface_of
 from transfer.serving.procs import ready_line
 from transfer.serving.role import ServeRole
 from transfer.serving.router import Router, RouterMetrics
-from transfer.serving.serve_options import ANY_PORT, ServeOptions
+from transfer.serving.serve_options import ANY_PORT, RouterBackend, ServeOptions
 from transfer.serving.serve_security import auth_token, check_exposure, tls_configs
 from transfer.units import parse_size
 
@@ -55,6 +55,10 @@ def serve(options: ServeOptions) -> int:
     token = auth_token(options)
     server_tls, client_tls = tls_configs(options)
     check_exposure(options, token, server_tls)
+    if options.role is ServeRole.ROUTER and options.engine is RouterBackend.VLLM:
+        from transfer.serving.vllm_router import serve_vllm_router
+
+        return serve_vllm_router(options, stop)
     if options.role is ServeRole.ROUTER:
         return _serve_router(options, token, server_tls, client_tls, stop)
     return _serve_worker(options, token, server_tls, client_tls, stop)

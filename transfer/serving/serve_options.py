@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from enum import Enum
+from enum import Enum, StrEnum
 from typing import Any, TypeVar
 
 from transfer.errors import InvalidInput
@@ -23,6 +23,14 @@ from transfer.serving.role import ServeRole
 ANY_PORT = -1
 
 E = TypeVar("E", bound=Enum)
+
+
+class RouterBackend(StrEnum):
+    """What the router fronts: pdxfer's own prefill/decode workers (gRPC), or vLLM OpenAI
+    servers with a KV connector (HTTP, vLLM's two-step P/D protocol)."""
+
+    PDXFER = "pdxfer"
+    VLLM = "vllm"
 
 
 @dataclass(frozen=True)
@@ -61,6 +69,7 @@ class ServeOptions:
     nnodes: int = 1
     node_rank: int = 0
     dist_addr: str | None = None
+    engine: RouterBackend = RouterBackend.PDXFER
     prefill: tuple[str, ...] = ()
     decode: tuple[str, ...] = ()
     prefill_peers: tuple[str, ...] = ()
@@ -71,6 +80,7 @@ class ServeOptions:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", as_enum(ServeRole, self.role, "role"))
+        object.__setattr__(self, "engine", as_enum(RouterBackend, self.engine, "engine"))
         object.__setattr__(
             self, "transfer_mode", as_enum(TransferMode, self.transfer_mode, "transfer_mode")
         )

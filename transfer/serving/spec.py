@@ -6,7 +6,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from transfer.agent.staging import Copies
 from transfer.geometry import ModelGeometry
 from transfer.memplan import MemoryPlan
 from transfer.serving.role import ServeRole
@@ -64,6 +63,24 @@ class ReadBatch:
 
     def __len__(self) -> int:
         return len(self.nbytes)
+
+
+@dataclass(frozen=True, eq=False)
+class Copies:
+    """Copies inside one rank's arena, as int64 columns of offsets: `src`, `dst`, `nbytes`.
+    A staging gather has consecutive `dst`s, a staging scatter consecutive `src`s."""
+
+    src: np.ndarray
+    dst: np.ndarray
+    nbytes: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.nbytes)
+
+    @classmethod
+    def empty(cls) -> Copies:
+        none = np.empty(0, dtype=np.int64)
+        return cls(none, none, none)
 
 
 @dataclass(frozen=True)

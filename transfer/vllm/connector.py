@@ -113,6 +113,11 @@ class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
     def has_pending_block_frees(self) -> bool:
         return self._scheduler is not None and self._scheduler.has_pending_block_frees()
 
+    def has_pending_push_work(self) -> bool:
+        # vLLM's only hook that keeps an idle engine stepping: control calls in flight are
+        # applied in build_connector_meta (an aborted decode request's release, for one).
+        return self._scheduler is not None and self._scheduler.has_pending_work()
+
     def set_xfer_handshake_metadata(
         self, metadata: dict[int, KVConnectorHandshakeMetadata]
     ) -> None:

@@ -107,6 +107,9 @@ class ConnectorScheduler:
     def has_pending_block_frees(self) -> bool:
         return self.prefill.has_pending_frees()
 
+    def has_pending_work(self) -> bool:
+        return self.decode.has_calls_in_flight()
+
     def get_kv_connector_stats(self) -> PdxferStats | None:
         with self._stats_lock:
             if self._stats.is_empty():

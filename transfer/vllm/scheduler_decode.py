@@ -174,6 +174,13 @@ class DecodeSide:
         elif pull.phase is PullPhase.LOCAL:
             del self._pulls[request.request_id]
 
+    def has_calls_in_flight(self) -> bool:
+        """An Acquire or Release whose answer must still be applied: vLLM must keep stepping
+        (an aborted request's release goes out only when its Acquire's answer is seen)."""
+        return any(
+            p.phase in (PullPhase.ACQUIRING, PullPhase.RELEASING) for p in self._pulls.values()
+        )
+
     def poll(self) -> None:
         """Apply every PeerClient event that arrived."""
         for event in self._peers.drain():

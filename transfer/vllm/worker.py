@@ -18,11 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec, UniformTypeKVCacheSpecs
 
-from transfer.agent import PeerReads, TransferAgent
+from transfer.agent import PeerReads, TransferAgent, stage_small
 from transfer.cache.explicit_layout import ExplicitLayout
 from transfer.control.client import TransferClient
 from transfer.dataplane import RangeBatch, make_transport
@@ -35,6 +36,10 @@ from transfer.vllm.metadata import LoadSpec, RankHandshake, StepMetadata
 from transfer.vllm.stats import PdxferStats
 
 logger = logging.getLogger(__name__)
+
+# The read-side staging buffer (registered with the transport next to vLLM's memory): room
+# for the staged spans of the loads in flight; a load that finds none reads directly.
+STAGING_BYTES = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -114,6 +119,9 @@ class ConnectorWorker:
         self._finished_recving: set[str] = set()
         self._failed_recving: set[str] = set()
         self._error_blocks: set[int] = set()
+        self._staging = torch.empty(0, dtype=torch.uint8)
+        self._staging_start = 0
+        self._staging_held: dict[str, tuple[int, int]] = {}  # request -> (offset, bytes)
         self.stats = PdxferStats()
 
     # ---- start-up -----------------------------------------------------------------------
@@ -132,7 +140,10 @@ class ConnectorWorker:
             self.config.transport.value, f"pdxfer-vllm-{self.rank}-{uuid.uuid4().hex[:8]}"
         )
         self.agent = TransferAgent(transport)
-        metadata = self.agent.register(regions)
+        self._staging = torch.zeros(STAGING_BYTES, dtype=torch.uint8, device=regions[0].device)
+        metadata = self.agent.register([*regions, self._staging])
+        assert self.agent.transport.region_map is not None
+        self._staging_start = self.agent.transport.region_map.regions[-1].start
         self._handshake = RankHandshake(
             self.rank, self.tp, self.layouts[self.rank].to_dict(), metadata
         )
@@ -157,14 +168,15 @@ class ConnectorWorker:
         self._finished_sending.update(meta.released)
         for load in meta.loads:
             try:
-                reads = self._plan(load)
+                reads, copies = self._plan(load)
             except Exception as exc:  # the load fails, vLLM recomputes; the server lives
                 logger.warning("pdxfer: load of %s failed before posting: %s", load.request_id, exc)
+                self._staging_held.pop(load.request_id, None)
                 self._fail(load)
                 continue
             self._loads[load.request_id] = load
             assert self.agent is not None
-            self.agent.post(load.request_id, reads)
+            self.agent.post(load.request_id, reads, copies)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         results = self.get_transfer_results(finished_req_ids)
@@ -174,6 +186,7 @@ class ConnectorWorker:
         if self.agent is not None:
             for done in self.agent.poll():
                 load = self._loads.pop(done.key)
+                self._staging_held.pop(done.key, None)
                 if done.ok:
                     self.stats.record_transfer(done.nbytes, done.descriptors, done.seconds)
                     self._finished_recving.add(done.key)
@@ -227,7 +240,8 @@ class ConnectorWorker:
         self._peers[address] = peer
         return peer
 
-    def _plan(self, load: LoadSpec) -> list[PeerReads]:
+    def _plan(self, load: LoadSpec) -> tuple[list[PeerReads], tuple | None]:
+        """The load's reads, small neighbouring ranges staged when staging has room."""
         peer = self._peer(load.ticket.control_address)
         reads = plan_load(
             self.groups,
@@ -238,10 +252,35 @@ class ConnectorWorker:
             load.block_ids,
             load.num_tokens,
         )
-        return [
-            PeerReads(peer.agents[p], RangeBatch(dst, src, nbytes))
-            for p, (src, dst, nbytes) in reads.per_source.items()
-        ]
+        sources = list(reads.per_source.items())
+        sizes = [stage_small(dst, src, n, 0).staging_bytes for _, (src, dst, n) in sources]
+        offset = self._hold_staging(load.request_id, sum(sizes)) if sum(sizes) else None
+        if offset is None:
+            direct = [
+                PeerReads(peer.agents[p], RangeBatch(dst, src, n)) for p, (src, dst, n) in sources
+            ]
+            return direct, None
+        posted, copies = [], []
+        base = self._staging_start + offset
+        for (p, (src, dst, n)), size in zip(sources, sizes, strict=True):
+            staged = stage_small(dst, src, n, base)
+            base += size
+            posted.append(PeerReads(peer.agents[p], RangeBatch(*staged.wire)))
+            copies.append(staged.copies)
+        joined = tuple(np.concatenate(c) for c in zip(*copies, strict=True))
+        return posted, joined
+
+    def _hold_staging(self, key: str, nbytes: int) -> int | None:
+        """First fit in the staging buffer (None: no room; the load then reads directly)."""
+        cursor = 0
+        for start, size in sorted(self._staging_held.values()):
+            if start - cursor >= nbytes:
+                break
+            cursor = max(cursor, start + size)
+        if cursor + nbytes > self._staging.numel():
+            return None
+        self._staging_held[key] = (cursor, nbytes)
+        return cursor
 
 
 def _vllm_version() -> str:
