@@ -10,12 +10,13 @@ import pytest
 import torch
 
 from tests.support.packer_reference import apply_memcpy, check_transfer
+from transfer.agent.staging import Packed, StagingArea, check_copies, copy_within, gather_to_staging
 from transfer.cache import CachePools, KVOrder, Layout, LayoutOptions
 from transfer.geometry import GQASpec, LayerSpec, MLASpec, ModelGeometry
 from transfer.memplan import plan_memory
 from transfer.packer import Mode, StagingPolicy, TransferRequest, plan_transfer
-from transfer.packer.staging import gather_staging, scatter_staging
 from transfer.presets import PRESETS, get_preset
+from transfer.serving.spec import Copies
 from transfer.sizing import CacheDtypes, size_model
 
 GIB = 2**30
@@ -150,14 +151,24 @@ def test_staging_with_the_pack_kernels_matches_memcpy():
     )
     assert any(s.mode is not Mode.DIRECT for plan in plans for s in plan.sources)
 
+    def copies(ranges) -> Copies:
+        return Copies(ranges.src.copy(), ranges.dst.copy(), ranges.lengths.copy())
+
     def apply_with_kernels(plans, p_arenas, d_arenas):
+        # The copies serving and `bench transfer` run, checked against each side's layout.
         for plan in plans:
             for source in plan.sources:
-                gather_staging(source, torch.from_numpy(p_arenas[source.prefill_rank]))
+                p_arena = torch.from_numpy(p_arenas[source.prefill_rank])
+                p_area = StagingArea.of(prefill[source.prefill_rank])
+                gather_to_staging(p_arena, p_area, copies(source.gather))
         apply_memcpy(plans, p_arenas, d_arenas, steps=("wire",))
         for plan in plans:
             for source in plan.sources:
-                scatter_staging(source, torch.from_numpy(d_arenas[plan.decode_rank]))
+                d_arena = torch.from_numpy(d_arenas[plan.decode_rank])
+                scatter = copies(source.scatter)
+                if len(scatter):
+                    check_copies(StagingArea.of(decode[plan.decode_rank]), scatter, Packed.SRC)
+                    copy_within(d_arena, scatter.src, scatter.dst, scatter.nbytes)
 
     rng = np.random.default_rng(7)
     assert check_transfer(prefill, decode, request, plans, rng, apply=apply_with_kernels) == []

@@ -10,6 +10,8 @@ destination memory back to its engine the moment it sees the key.
 
 from __future__ import annotations
 
+import contextlib
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -17,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from transfer.agent.staging import copy_within
 from transfer.dataplane import Op, RangeBatch, Transport
 from transfer.errors import InvalidInput, WrongState
 from transfer.packer import TransferPlan
@@ -55,6 +58,9 @@ class _Pending:
     started: float
     copies: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
     errors: list[str] = field(default_factory=list)
+    deadline_at: float = math.inf  # time.monotonic() past which no READ may be posted
+    sealed: bool = True  # an open key (a stream) takes more reads and cannot finish yet
+    failed: set[int] = field(default_factory=set)  # handles whose failure is in `errors`
 
 
 def plan_reads(plan: TransferPlan, peers: Sequence[str]) -> list[PeerReads]:
@@ -84,6 +90,8 @@ class TransferAgent:
         self._peers: dict[bytes, str] = {}
         self._pending: dict[str, _Pending] = {}
         self._regions: list[torch.Tensor] = []
+        self._arena: torch.Tensor | None = None  # set by `register_arena`
+        self._abandoned: dict[str, list[int]] = {}  # key -> transfers that may still move bytes
 
     def register(self, regions: Sequence[torch.Tensor]) -> bytes:
         """Register the rank's memory once (uint8 regions); returns its transport metadata."""
@@ -101,32 +109,98 @@ class TransferAgent:
             self._peers[metadata] = name
         return name
 
+    def register_arena(self, arena: torch.Tensor) -> bytes:
+        """Register one arena (uint8 [nbytes]) instead of regions: offsets are arena offsets."""
+        if self.metadata is not None:
+            raise WrongState("agent: memory is already registered")
+        self.metadata = self.transport.register(arena)
+        self._arena = arena
+        return self.metadata
+
     def post(
         self,
         key: str,
         reads: Sequence[PeerReads],
         copies: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
+        deadline_s: float | None = None,
+        sealed: bool = True,
+        strict: bool = False,
     ) -> None:
         """Start `reads` under `key`; once all landed, run the local `copies` (staging
-        offset, destination offset, nbytes; virtual offsets, `transfer.agent.staging`). A
-        post that fails part-way leaves the key failed; it still finishes only once what
-        was posted has settled."""
+        offset, destination offset, nbytes; offsets as the reads', `transfer.agent.staging`).
+        No READ is posted later than `deadline_s` (default: the agent's) from now. A post
+        that fails part-way leaves the key failed; it still finishes only once what was
+        posted has settled. `sealed=False` opens a stream that `extend` adds to and seals.
+        `strict`: a refused post also raises, after the key is marked failed."""
         if key in self._pending:
             raise WrongState(f"key {key!r}: already has transfers in flight")
-        pending = _Pending(
-            [], sum(r.ranges.total_bytes for r in reads), 0, time.monotonic(), copies
-        )
+        now = time.monotonic()
+        deadline_at = now + (self.deadline_s if deadline_s is None else deadline_s)
+        pending = _Pending([], 0, 0, now, copies, deadline_at=deadline_at, sealed=sealed)
         self._pending[key] = pending
+        self._post(pending, reads, strict)
+
+    def extend(self, key: str, reads: Sequence[PeerReads], last: bool, strict: bool = True) -> None:
+        """Post more reads of the open stream `key` (within its deadline); `last` seals it."""
+        pending = self._pending.get(key)
+        if pending is None or pending.sealed:
+            raise WrongState(f"key {key!r}: not an open stream")
+        self._post(pending, reads, strict)
+        pending.sealed = last
+
+    def _post(self, pending: _Pending, reads: Sequence[PeerReads], strict: bool) -> None:
+        deadline_s = pending.deadline_at - time.monotonic()
+        if deadline_s <= 0 and reads:
+            raise InvalidInput("transfer: past its deadline, no READ may be posted")
+        pending.nbytes += sum(r.ranges.total_bytes for r in reads)
         for read in reads:
             try:
-                handle = self.transport.post(
-                    Op.READ, read.peer, read.ranges, deadline_s=self.deadline_s
-                )
+                handle = self.transport.post(Op.READ, read.peer, read.ranges, deadline_s=deadline_s)
             except Exception as exc:  # a peer gone, ranges refused: the key fails
                 pending.errors.append(f"posting to {read.peer}: {exc}")
+                if strict:
+                    raise
                 break
             pending.handles.append(handle)
             pending.descriptors += len(read.ranges)
+
+    def adopt(self, key: str, handles: Sequence[int]) -> None:
+        """Settle `handles` (transfers posted on `self.transport` by someone else, e.g. a
+        stream's progress reads) with `key`: it finishes, or settles, only after them too."""
+        if key in self._pending:
+            self._pending[key].handles.extend(handles)
+        else:
+            self._abandoned.setdefault(key, []).extend(handles)
+
+    def failure(self, key: str) -> str:
+        """Why `key` failed, as far as the last `poll` saw ("" while nothing failed). Bytes
+        may still land: the key finishes, or settles, only later."""
+        pending = self._pending.get(key)
+        return "; ".join(pending.errors) if pending is not None else ""
+
+    def abandon(self, key: str) -> bool:
+        """Stop waiting for `key`: it will not finish, nor run its copies. True when none of
+        its transfers can still move bytes, so its memory may be reused; otherwise ask
+        `settled` again."""
+        pending = self._pending.pop(key, None)
+        if pending is not None and pending.handles:
+            self._abandoned.setdefault(key, []).extend(pending.handles)
+        return self.settled(key)
+
+    def settled(self, key: str) -> bool:
+        """Release the abandoned `key`'s transfers that can no longer move bytes; True when
+        none remain."""
+        remaining = []
+        for handle in self._abandoned.pop(key, []):
+            status = self.transport.poll(handle)
+            if status.pending or not status.settled:
+                remaining.append(handle)
+            else:
+                with contextlib.suppress(ValueError):
+                    self.transport.release(handle)
+        if remaining:
+            self._abandoned[key] = remaining
+        return not remaining
 
     @property
     def in_flight(self) -> int:
@@ -139,14 +213,16 @@ class TransferAgent:
             unsettled = []
             for handle in pending.handles:
                 status = self.transport.poll(handle)
+                if status.failed and handle not in pending.failed:
+                    pending.failed.add(handle)
+                    pending.errors.append(status.reason)
                 if status.pending or (status.failed and not status.settled):
                     unsettled.append(handle)
                     continue
-                if status.failed:
-                    pending.errors.append(status.reason)
+                pending.failed.discard(handle)
                 self.transport.release(handle)
             pending.handles = unsettled
-            if unsettled:
+            if unsettled or not pending.sealed:
                 continue
             del self._pending[key]
             if not pending.errors and pending.copies is not None and len(pending.copies[2]):
@@ -163,7 +239,11 @@ class TransferAgent:
         return finished
 
     def _copy(self, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> None:
-        """Local copies between registered regions, in virtual offsets."""
+        """Local copies inside the registered arena, or between registered regions (in
+        virtual offsets)."""
+        if self._arena is not None:
+            copy_within(self._arena, src, dst, nbytes)
+            return
         region_map = self.transport.region_map
         if region_map is None:
             raise WrongState("agent: local copies need registered regions")
@@ -184,4 +264,7 @@ class TransferAgent:
             self._regions[di][d : d + n].copy_(self._regions[si][s : s + n])
 
     def close(self) -> None:
+        """Close the transport: whatever still moves ends with it."""
+        self._pending.clear()
+        self._abandoned.clear()
         self.transport.close()

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from transfer.agent.staging import StagingArea
 from transfer.bench.prefill_model import stream_groups
 from transfer.bench.transfer_rank import (
     BUILD,
@@ -138,6 +139,7 @@ class PairRun:
 
     def _specs(self, role: str, tp: int, node) -> list[BenchRankSpec]:
         tag = f"{len(self.instances.prefill)}x{len(self.instances.decode)}"
+        layouts = self.instances.prefill if role == "prefill" else self.instances.decode
         return [
             BenchRankSpec(
                 role=role,
@@ -148,6 +150,7 @@ class PairRun:
                 backend=self.settings.transport,
                 options=_options(self.settings, node),
                 seed=self.settings.seed + r if role == "prefill" else 0,
+                staging=StagingArea.of(layouts[r]),
             )
             for r in range(tp)
         ]

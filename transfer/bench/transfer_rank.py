@@ -1,8 +1,11 @@
 """One prefill or decode rank of `pdxfer bench transfer`, and the commands it answers.
 
 The ranks run on the workers' rank-process framework (`transfer.serving.ranks`): one group
-per side, commanded through its rank 0. A rank owns an arena (a flat uint8 tensor) and a
-transport. A job (the READs or gathers of one mode) is prepared once and run many times.
+per side, commanded through its rank 0. A rank owns an arena (a flat uint8 tensor) and the
+same `TransferAgent` and staging copies serving uses (`transfer.agent`), so the bench times
+the serving path, failure rule included: a failed job raises only once none of its READs
+can still land. A job (the READs or gathers of one mode) is prepared once and run many
+times.
 """
 
 from __future__ import annotations
@@ -12,10 +15,16 @@ import zlib
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
+from transfer.agent.staging import StagingArea
 from transfer.serving.rank_protocol import RankCommand
+from transfer.serving.spec import Copies
 
 BUILD = "transfer.bench.transfer_rank:build_bench_rank"
 POLL_SLEEP_S = 20e-6
+# A job's READs end by its deadline; past it plus this, the rank gives up waiting.
+GIVE_UP_GRACE_S = 10.0
 # Prefill arenas repeat a seeded random pattern of this (odd-sized) period: a misplaced
 # range goes unnoticed only if it is off by a multiple of it, and tiling is ~10x faster
 # than generating every byte.
@@ -35,6 +44,7 @@ class BenchRankSpec:
     options: tuple[tuple[str, str], ...]  # transport options (tls, net_devices)
     seed: int
     device: str = "cpu"
+    staging: StagingArea | None = None  # of the layout whose plans stage; None: no staging
 
 
 @dataclass(frozen=True)
@@ -51,10 +61,25 @@ def build_bench_rank(spec: BenchRankSpec, group) -> BenchRank:
     return BenchRank(spec)
 
 
+def _copies(ranges) -> Copies:
+    """A plan's `Ranges` as staging copies (writable arrays, for `torch.from_numpy`)."""
+    return Copies(ranges.src.copy(), ranges.dst.copy(), ranges.lengths.copy())
+
+
+def _unpack(scatters: tuple[Copies, ...]) -> tuple | None:
+    """The reading side's staged copies of a job, as the agent runs them after the READs."""
+    if not scatters:
+        return None
+    return tuple(
+        np.concatenate([getattr(c, f) for c in scatters]) for f in ("src", "dst", "nbytes")
+    )
+
+
 class BenchRank:
     def __init__(self, spec: BenchRankSpec) -> None:
         import torch
 
+        from transfer.agent import TransferAgent
         from transfer.dataplane import make_transport
 
         # Ranks share the box's cores: intra-op threads only add wake-up latency (a 720 KiB
@@ -71,13 +96,13 @@ class BenchRank:
                 self.arena[start:end] = pattern[: end - start]
         else:
             self.arena.zero_()
-        self.transport = make_transport(spec.backend, spec.name, **dict(spec.options))
-        self.metadata = self.transport.register(self.arena)
+        self.agent = TransferAgent(make_transport(spec.backend, spec.name, **dict(spec.options)))
+        self.metadata = self.agent.register_arena(self.arena)
         self.peers: list[str] = []
         self.jobs: dict[str, tuple[str, tuple]] = {}
 
     def add_peers(self, metadata: tuple[bytes, ...]) -> None:
-        self.peers = [self.transport.add_peer(m) for m in metadata]
+        self.peers = [self.agent.connect(m) for m in metadata]
 
     def prepare(self, job: str, kind: str, items: tuple) -> None:
         """`kind` "gather" (prefill): `items` are SourcePlans whose gathers to run. "read"
@@ -85,6 +110,18 @@ class BenchRank:
         ReadItems)` per group: each group is posted `ready_s` after the run starts."""
         if kind not in ("gather", "read", "stream"):
             raise ValueError(f"kind: expected 'gather', 'read' or 'stream', got {kind!r}")
+        from transfer.agent.staging import Packed, check_copies
+
+        staged = [i.staged for i in items if i.staged is not None] if kind == "read" else items
+        if kind != "stream" and staged and self.spec.staging is None:
+            raise ValueError(f"job {job!r}: staged plans on a rank without a staging area")
+        if kind == "gather":
+            items = tuple(_copies(source.gather) for source in items if len(source.gather))
+        elif kind == "read":
+            scatters = tuple(_copies(source.scatter) for source in staged if len(source.scatter))
+            for copies in scatters:
+                check_copies(self.spec.staging, copies, Packed.SRC)
+            items = (items, _unpack(scatters))
         self.jobs[job] = (kind, items)
 
     def run(self, job: str, deadline_s: float) -> float:
@@ -93,79 +130,82 @@ class BenchRank:
             return 0.0
         kind, items = self.jobs[job]
         if kind == "read":
-            return self._read(items, deadline_s)
+            return self._read(job, items, deadline_s)
         if kind == "stream":
-            return self._stream(items, deadline_s)
-        from transfer.packer.staging import gather_staging
+            return self._stream(job, items, deadline_s)
+        from transfer.agent.staging import gather_to_staging
 
         start = time.perf_counter()
-        for source in items:
-            gather_staging(source, self.arena)
+        for copies in items:
+            gather_to_staging(self.arena, self.spec.staging, copies)
         return time.perf_counter() - start
 
-    def _read(self, items: tuple[ReadItem, ...], deadline_s: float) -> float:
-        from transfer.dataplane import Op
-        from transfer.packer.staging import scatter_staging
+    def _reads(self, items: tuple[ReadItem, ...]) -> list:
+        from transfer.agent import PeerReads
 
-        transport = self.transport
+        return [PeerReads(self.peers[i.prefill_rank], i.batch) for i in items]
+
+    def _read(self, job: str, items: tuple, deadline_s: float) -> float:
+        """Post the READs and wait until every one landed and the agent unpacked the staged
+        part."""
+        reads, unpack = items
         start = time.perf_counter()
-        handles = [
-            transport.post(Op.READ, self.peers[i.prefill_rank], i.batch, deadline_s=deadline_s)
-            for i in items
-        ]
-        pending = list(handles)
-        try:
-            while pending:
-                pending = self._still_pending(pending)
-                if pending:
-                    time.sleep(POLL_SLEEP_S)
-            for item in items:
-                if item.staged is not None:
-                    scatter_staging(item.staged, self.arena)
-            return time.perf_counter() - start
-        finally:
-            for handle in handles:
-                transport.release(handle)
+        self._transfer(job, deadline_s, lambda: self.agent.post(
+            job, self._reads(reads), unpack, deadline_s=deadline_s, strict=True))  # fmt: skip
+        return time.perf_counter() - start
 
-    def _stream(self, groups: tuple[tuple[float, tuple[ReadItem, ...]], ...], deadline_s: float):
+    def _stream(self, job: str, groups: tuple[tuple[float, tuple[ReadItem, ...]], ...],
+                deadline_s: float) -> float:  # fmt: skip
         """Post each group's READs once its modelled ready time has passed, then wait for
         all; seconds from the last group's ready time (the end of the modelled prefill) to
         the last byte: the exposed transfer time."""
-        from transfer.dataplane import Op
-
-        transport = self.transport
         start = time.perf_counter()
         end_of_prefill = max(ready for ready, _ in groups)
-        waiting, pending, handles = list(groups), [], []
-        try:
-            while waiting or pending:
-                now = time.perf_counter() - start
-                while waiting and waiting[0][0] <= now:
-                    for item in waiting.pop(0)[1]:
-                        peer = self.peers[item.prefill_rank]
-                        handle = transport.post(Op.READ, peer, item.batch, deadline_s=deadline_s)
-                        handles.append(handle)
-                        pending.append(handle)
-                pending = self._still_pending(pending)
-                if pending:
-                    time.sleep(POLL_SLEEP_S)
-                elif waiting:  # nothing in flight: sleep until the next group is ready
-                    time.sleep(max(0.0, waiting[0][0] - (time.perf_counter() - start)))
-            return time.perf_counter() - start - end_of_prefill
-        finally:
-            for handle in handles:
-                transport.release(handle)
+        waiting = list(groups)
 
-    def _still_pending(self, handles: list[int]) -> list[int]:
-        """The handles not yet DONE; raises if any failed."""
-        still = []
-        for handle in handles:
-            status = self.transport.poll(handle)
-            if status.failed:
-                raise RuntimeError(f"transfer failed: {status.reason}")
-            if status.pending:
-                still.append(handle)
-        return still
+        def post_ready() -> None:
+            now = time.perf_counter() - start
+            while waiting and waiting[0][0] <= now:
+                reads = self._reads(waiting.pop(0)[1])
+                self.agent.extend(job, reads, last=not waiting)
+
+        def open_stream() -> None:
+            self.agent.post(job, [], deadline_s=deadline_s, sealed=False, strict=True)
+            post_ready()
+
+        self._transfer(job, deadline_s, open_stream, post_ready)
+        return time.perf_counter() - start - end_of_prefill
+
+    def _transfer(self, key: str, deadline_s: float, post, between=None) -> None:
+        """`post` the job's READs under `key` and poll until all landed (`between` runs
+        before each poll). A failure raises once nothing of the job can still land."""
+        give_up = time.monotonic() + deadline_s + GIVE_UP_GRACE_S
+        try:
+            post()
+            while time.monotonic() < give_up:
+                if between is not None:
+                    between()
+                for finished in self.agent.poll():
+                    if not finished.ok:
+                        raise RuntimeError(f"transfer failed: {finished.error}")
+                    return
+                failure = self.agent.failure(key)
+                if failure:
+                    raise RuntimeError(f"transfer failed: {failure}")
+                time.sleep(POLL_SLEEP_S)
+            raise RuntimeError(f"transfer: not done {deadline_s + GIVE_UP_GRACE_S:.0f} s on")
+        except BaseException:
+            self._settle(key, give_up)
+            raise
+
+    def _settle(self, key: str, give_up: float) -> None:
+        """Wait until none of `key`'s READs can still land (docs/bugs.md, bug 14)."""
+        settled = self.agent.abandon(key)
+        while not settled and time.monotonic() < give_up + GIVE_UP_GRACE_S:
+            time.sleep(POLL_SLEEP_S)
+            settled = self.agent.settled(key)
+        if not settled:
+            raise RuntimeError(f"transfer {key!r}: READs still in flight; the arena is unsafe")
 
     def checksum(self, groups: tuple) -> list[int]:
         """CRC32 of the bytes at `(offsets, lengths)` of each group, ranges in the given order."""
@@ -179,7 +219,7 @@ class BenchRank:
         return sums
 
     def close(self) -> None:
-        self.transport.close()
+        self.agent.close()
 
 
 @dataclass(frozen=True)

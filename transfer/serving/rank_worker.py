@@ -1,4 +1,5 @@
-"""What one TP rank process holds and does: its arena, transport agent and model shard.
+"""What one TP rank process holds and does: its arena and model shard; its transfers go
+through `RankTransfers` (transfer.serving.rank_transfers) and the shared `TransferAgent`.
 
 Every public method backs a command of `transfer.serving.commands`, which the control
 process runs on all ranks at once (`RankGroup.call`); each rank acts on its own shard and
@@ -13,21 +14,19 @@ ever starts a transferred slot from zeros (bug 4): only `prefill` does that.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 
+from transfer.agent import TransferAgent
 from transfer.cache.arena import Arena
 from transfer.cache.head_units import LayoutOptions
 from transfer.cache.layout import Layout
 from transfer.control.types import SamplingParams
-from transfer.dataplane import Op, RangeBatch, make_transport, wait
+from transfer.dataplane import make_transport
 from transfer.errors import InvalidInput
 from transfer.model.batch import SequenceStep
 from transfer.model.batch_runner import BatchEngine
@@ -42,47 +41,15 @@ from transfer.serving.commands import (
     RankTransferStatus,
     StreamSource,
     TokenPick,
-    TransferState,
 )
 from transfer.serving.cpu_rank import configure_cpu_rank
-from transfer.serving.progress import entry_offset, progress_area_bytes
+from transfer.serving.progress import progress_area_bytes
+from transfer.serving.rank_transfers import RankTransfers
 from transfer.serving.snapshots import save_snapshot, snapshot_request
-from transfer.serving.spec import (
-    WARMUP_BYTES,
-    Copies,
-    RankReads,
-    RankSpec,
-    staging_area_bytes,
-)
-from transfer.serving.staging_copies import (
-    check_copies,
-    gather_to_staging,
-    scatter_from_staging,
-)
-from transfer.serving.stream_reader import ProgressReader
+from transfer.serving.spec import Copies, RankReads, RankSpec, staging_area_bytes
 from transfer.serving.stream_writer import ProgressWriter, StreamedChunk
 
 logger = logging.getLogger(__name__)
-
-# A whole transfer of at most SETTLE_MAX_BYTES is polled for up to TRANSFER_SETTLE_S by
-# `transfer_start` itself (0.4-0.8 ms p50 for a tiny model's request over NIXL on one
-# host); a bigger one would only spend that time waiting.
-TRANSFER_SETTLE_S = 0.002
-SETTLE_MAX_BYTES = 4 << 20
-SETTLE_POLL_S = 0.0001
-
-
-@dataclass
-class _Transfer:
-    slot: int
-    posted_at: float  # time.monotonic() on this rank
-    scatter: Copies  # unpacks the staged part once every READ landed
-    deadline_at: float  # time.monotonic() past which no READ may still be posted
-    instance: str  # the prefill instance it reads from
-    handles: list[int] = field(default_factory=list)
-    status: RankTransferStatus = RankTransferStatus(TransferState.PENDING)
-    sealed: bool = True  # a stream is sealed by its last `transfer_post`
-    reader: ProgressReader | None = None  # a stream's progress, on its reading rank
 
 
 def build_rank_worker(spec: RankSpec, group) -> RankWorker:
@@ -116,17 +83,15 @@ class RankWorker:
         model = load_model(spec.model, group, device, seed=spec.seed)
         self.engine = RankEngine(spec.geometry, self.caches, group, spec.seed, device, model=model)
         self.batch = BatchEngine(self.engine)
-        self.transport = make_transport(spec.transport, spec.agent_name)
-        self.metadata = self.transport.register(self.arena.buffer)
+        agent = TransferAgent(make_transport(spec.transport, spec.agent_name))
+        self.transfers = RankTransfers(agent, self.arena.buffer, self.layout, spec.rank,
+                                       self.engine.mark_filling, self.engine.mark_ready)  # fmt: skip
+        self.metadata = self.transfers.metadata
         scribble = spec.stream_scribble_s if spec.rank == spec.tp - 1 else 0.0
         self.progress = ProgressWriter(self.arena.buffer, self.layout, scribble)
-        self.peers: dict[str, list[str]] = {}  # prefill instance -> peer name of each rank
-        self.transfers: dict[str, _Transfer] = {}
         # slot -> (position, token): what its last decode step picked, for a pipelined
         # step that names no token (sent before that pick came back to the control side).
         self.picked: dict[int, tuple[int, int]] = {}
-        # READs of failed or abandoned transfers that may still move bytes (see settled).
-        self.unsettled: dict[str, list[int]] = {}
 
     # -- handshake ------------------------------------------------------------------------
 
@@ -134,17 +99,7 @@ class RankWorker:
         return RankInfo(self.metadata, json.dumps(self.layout.to_dict()).encode())
 
     def add_peers(self, instance: str, metadata: list[bytes], staging: list[int]) -> None:
-        """Connect to every rank of prefill instance `instance` (again, after a restart):
-        a small READ from each one's staging area (`staging`: arena offsets) sets up the
-        connection now rather than in the first request's transfer."""
-        peers = [self.transport.add_peer(m) for m in metadata]
-        local = self.layout.staging_offset
-        for peer, remote in zip(peers, staging, strict=True):
-            batch = RangeBatch.single(local, remote, WARMUP_BYTES)
-            status = wait(self.transport, self.transport.post(Op.READ, peer, batch, deadline_s=30))
-            if not status.done:
-                raise ConnectionError(f"prefill {instance} ({peer}) unreachable: {status.reason}")
-        self.peers[instance] = peers
+        self.transfers.add_peers(instance, metadata, staging)
 
     # -- prefill side ---------------------------------------------------------------------
 
@@ -176,9 +131,7 @@ class RankWorker:
         return tuple(TokenPick(p.token, p.logprob) for p in output.picks)
 
     def stage_gather(self, copies: Copies) -> None:
-        """Pack cache ranges back to back into this rank's staging area (`copies.dst` are
-        consecutive), done before this returns: the decode side READs them next."""
-        gather_to_staging(self.arena.buffer, self.layout, copies)
+        self.transfers.stage_gather(copies)
 
     def snapshot(
         self, request_id: str, side: str, block_ids: list[int], slot: int, num_tokens: int
@@ -205,139 +158,24 @@ class RankWorker:
         deadline_s: float,
         stream: StreamSource | None = None,
     ) -> RankTransferStatus:
-        """Mark `slot`/`block_ids` FILLING and post this rank's READs from `instance`; a
-        `stream` stays open for `transfer_post` and reads the prefill ranks' progress.
-        A small whole transfer is polled for up to `TRANSFER_SETTLE_S` before answering
-        its status: most land that fast, and a DONE now saves the caller a
-        `transfer_poll`, which would wait behind the decode step the ranks run next."""
-        if request_id in self.transfers:
-            raise ValueError(f"request_id {request_id!r}: a transfer is already in flight")
-        if instance not in self.peers:
-            raise ValueError(f"instance {instance!r}: no handshake with it yet")
-        mine = reads[self.spec.rank]
-        if len(mine.scatter):
-            check_copies(self.layout, mine.scatter, packed="src")
-        peers = self.peers[instance]
-        reader = None
-        if stream is not None and stream.reader_rank == self.spec.rank:
-            if len(stream.entries) != len(peers):
-                raise ValueError(f"stream.entries: {len(stream.entries)} for {len(peers)} ranks")
-            local = [entry_offset(self.layout, slot, r) for r in range(len(peers))]
-            buffer = self.arena.buffer
-            reader = ProgressReader(self.transport, peers, stream.entries, local, buffer,
-                                    deadline_s)  # fmt: skip
-        self.engine.mark_filling(slot, block_ids)
-        now = time.monotonic()
-        transfer = _Transfer(slot, now, mine.scatter, now + deadline_s, instance,
-                             sealed=stream is None, reader=reader)  # fmt: skip
-        self.transfers[request_id] = transfer
-        try:
-            self._post(transfer, peers, mine)
-            if reader is not None:
-                reader.advance()
-        except Exception:
-            self.transfer_end(request_id)
-            raise
-        nbytes = sum(int(batch.nbytes.sum()) for batch in mine.batches)
-        settle_until = time.monotonic() + TRANSFER_SETTLE_S
-        while transfer.sealed and nbytes <= SETTLE_MAX_BYTES:
-            self._advance(transfer)
-            if transfer.status.state is not TransferState.PENDING or (
-                time.monotonic() >= settle_until
-            ):
-                break
-            time.sleep(SETTLE_POLL_S)
-        return transfer.status
+        return self.transfers.start(request_id, instance, reads, slot, block_ids, deadline_s,
+                                    stream)  # fmt: skip
 
     def transfer_post(self, request_id: str, reads: tuple[RankReads, ...], last: bool) -> None:
-        """Post more READs of an open stream; `last` seals it."""
-        transfer = self._transfer(request_id)
-        if transfer.sealed:
-            raise ValueError(f"request_id {request_id!r}: the transfer is not an open stream")
-        peers = self.peers[transfer.instance]
-        self._post(transfer, peers, reads[self.spec.rank])
-        if last:
-            transfer.sealed = True
-            _stop_reader(transfer)
-
-    def _post(self, transfer: _Transfer, peers: list[str], mine: RankReads) -> None:
-        deadline_s = transfer.deadline_at - time.monotonic()
-        if deadline_s <= 0 and mine.batches:
-            raise ValueError("transfer: past its deadline, no READ may be posted")
-        for reads_from in mine.batches:
-            batch = RangeBatch(reads_from.local, reads_from.remote, reads_from.nbytes)
-            peer = peers[reads_from.prefill_rank]
-            handle = self.transport.post(Op.READ, peer, batch, deadline_s=deadline_s)
-            transfer.handles.append(handle)
+        self.transfers.post(request_id, reads, last)
 
     def transfer_poll(self, request_id: str) -> RankTransferStatus:
-        """Once DONE the slot is READY. A finished transfer keeps its status until
-        `transfer_end`."""
-        transfer = self._transfer(request_id)
-        self._advance(transfer)
-        return transfer.status
+        return self.transfers.poll(request_id)
 
     def after_command(self) -> None:
         """Run by the command loop after every command: notice finished transfers early."""
-        for transfer in self.transfers.values():
-            self._advance(transfer)
-
-    def _advance(self, transfer: _Transfer) -> None:
-        if transfer.status.state is not TransferState.PENDING:
-            return
-        statuses = [self.transport.poll(handle) for handle in transfer.handles]
-        reasons = [s.reason for s in statuses if s.failed]
-        reader = transfer.reader
-        if reader is not None:
-            reader.advance()
-            if reader.failure:
-                reasons.append(reader.failure)
-        if reasons:
-            # Handles stay: a failed READ may still land (NIXL cannot cancel one in flight).
-            _stop_reader(transfer)
-            transfer.status = RankTransferStatus(TransferState.FAILED, reason="; ".join(reasons))
-        elif not transfer.sealed:
-            if reader is not None:
-                transfer.status = RankTransferStatus(TransferState.PENDING, progress=reader.words)
-        elif not any(s.pending for s in statuses):
-            self._drop_handles(transfer)
-            if len(transfer.scatter):
-                scatter_from_staging(self.arena.buffer, self.layout, transfer.scatter)
-            seconds = time.monotonic() - transfer.posted_at
-            self.engine.mark_ready(transfer.slot)
-            transfer.status = RankTransferStatus(TransferState.DONE, seconds)
+        self.transfers.advance_all()
 
     def transfer_end(self, request_id: str) -> bool:
-        """Forget a transfer. True when none of its READs can still move bytes, so its slot
-        and blocks may be reused; otherwise keep polling with `transfer_settled`. A slot
-        whose transfer did not finish stays FILLING until `release`."""
-        transfer = self.transfers.pop(request_id, None)
-        if transfer is not None:
-            _stop_reader(transfer)
-        if transfer is not None and transfer.handles:
-            self.unsettled[request_id] = list(transfer.handles)
-            transfer.handles.clear()
-        return self.transfer_settled(request_id)
+        return self.transfers.end(request_id)
 
     def transfer_settled(self, request_id: str) -> bool:
-        """Release the request's READs that can no longer move bytes; True when none remain."""
-        remaining = []
-        for handle in self.unsettled.pop(request_id, []):
-            status = self.transport.poll(handle)
-            if status.pending or not status.settled:
-                remaining.append(handle)
-            else:
-                with contextlib.suppress(ValueError):
-                    self.transport.release(handle)
-        if remaining:
-            self.unsettled[request_id] = remaining
-        return not remaining
-
-    def _drop_handles(self, transfer: _Transfer) -> None:
-        for handle in transfer.handles:
-            with contextlib.suppress(ValueError):
-                self.transport.release(handle)
-        transfer.handles.clear()
+        return self.transfers.settled(request_id)
 
     def decode_step(
         self,
@@ -384,24 +222,8 @@ class RankWorker:
             )
         return picked[1]
 
-    def _transfer(self, request_id: str) -> _Transfer:
-        try:
-            return self.transfers[request_id]
-        except KeyError:
-            raise ValueError(f"request_id {request_id!r}: no transfer in flight") from None
-
     def close(self) -> None:
-        for request_id in list(self.transfers):
-            self.transfer_end(request_id)
-        self.unsettled.clear()  # closing the transport ends whatever still moves
-        self.transport.close()
-
-
-def _stop_reader(transfer: _Transfer) -> None:
-    """A stream's progress READs stop; any still in flight settle with the transfer's."""
-    if transfer.reader is not None:
-        transfer.handles.extend(transfer.reader.stop())
-        transfer.reader = None
+        self.transfers.close()
 
 
 def _sampler(sampling: SamplingParams) -> Sampler:
