@@ -28,7 +28,7 @@ def test_every_setting_parses(tmp_path):
             "control_host": "10.0.0.7",
             "control_port": 7100,
             "lease_s": 5,
-            "verify": True,
+            "verify": False,
         }
     )
     assert config == PdxferConfig(
@@ -37,7 +37,7 @@ def test_every_setting_parses(tmp_path):
         control_host="10.0.0.7",
         control_port=7100,
         lease_s=5.0,
-        verify=True,
+        verify=False,
     )
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.lease_s = 1.0  # type: ignore[misc]
@@ -56,6 +56,7 @@ def test_every_setting_parses(tmp_path):
         ("lease_s", float("nan")),
         ("lease_s", False),
         ("verify", "yes"),
+        ("verify", True),
         ("auth_token_file", 3),
         ("lease", 30),
     ],

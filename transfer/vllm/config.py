@@ -47,14 +47,18 @@ class PdxferConfig:
     control_host / control_port: where the prefill side's TransferService listens; port 0 picks
         a free one, and the port actually bound is the one tickets advertise.
     lease_s: how long prefill keeps a finished request's cache for decode before freeing it.
-    verify: decode checks the bytes it read against the prefill side's checksums.
+        Two minutes by default: a vLLM decode server can take over a minute to reach a request
+        (the first request after start-up at TP 2 on CPU took 74 s), and an abandoned request is
+        released at once anyway, so only a dead decode holds blocks this long.
+    verify: reserved; `true` is refused until decode checks what it read (pdxfer's own workers
+        have `launch --verify`).
     """
 
     transport: TransportKind = TransportKind.NIXL
     auth_token: str | None = None
     control_host: str = "127.0.0.1"
     control_port: int = 0
-    lease_s: float = 30.0
+    lease_s: float = 120.0
     verify: bool = False
 
     @property
@@ -106,7 +110,10 @@ class PdxferConfig:
         if "verify" in extra:
             if not isinstance(extra["verify"], bool):
                 raise InvalidInput(f"{FIELD_PREFIX}.verify: not true or false")
-            values["verify"] = extra["verify"]
+            if extra["verify"]:
+                raise InvalidInput(
+                    f"{FIELD_PREFIX}.verify: not supported by the vLLM connector yet (false only)"
+                )
         return cls(**values)
 
 
