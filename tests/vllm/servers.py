@@ -23,8 +23,9 @@ from transfer.serving.vllm_servers import (
 )
 from transfer.serving.vllm_stack import VllmPdPlan, running_vllm_pd
 
-# Start-up on two shared cores: model load, then vLLM's warm-up (TP 2 is slower still).
-START_TIMEOUT_S = 300.0
+# Start-up on two shared cores: model load, then vLLM's warm-up (TP 2 is slower still); two
+# servers starting together under other jobs' load took over 300 s.
+START_TIMEOUT_S = 600.0
 REQUEST_TIMEOUT_S = 240.0
 
 

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -58,7 +59,11 @@ def running_up(
     threading.Thread(target=read, daemon=True).start()
     threading.Thread(target=lambda: errors.extend(proc.stderr), daemon=True).start()
     try:
-        up = ready.wait(2 * START_TIMEOUT_S + 60)
+        # `up` gives up on its own after --timeout per phase; stop waiting when it exits.
+        deadline = time.monotonic() + 2 * START_TIMEOUT_S + 60
+        while not ready.wait(1.0) and proc.poll() is None and time.monotonic() < deadline:
+            pass
+        up = ready.is_set()
         assert up, f"pdxfer up did not come up:\n{''.join(lines)}{''.join(errors)[-4000:]}"
         text = "".join(lines)
         urls = dict(re.findall(r"^(prefill|decode)\s+vLLM (http://\S+)", text, re.M))
