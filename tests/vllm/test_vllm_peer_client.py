@@ -13,7 +13,7 @@ from transfer.control.peer_client import PeerClient, PeerEvent, PeerOp
 from transfer.control.server import serve
 from transfer.control.tickets import TicketStore
 from transfer.control.types import ControlConfig, HandshakeReply, compat_hash, make_compat
-from transfer.errors import Closed
+from transfer.errors import Closed, InvalidInput
 
 COMPAT = make_compat(geometry="tiny", dtypes="bf16", block_size=4, layout_version=1)
 TOKEN = "peer-test-token"
@@ -138,3 +138,24 @@ def test_closed_client_refuses_calls():
     peers.close()
     with pytest.raises(Closed):
         peers.acquire("127.0.0.1:1", "r")
+
+
+def test_keep_alive_renews_a_lease_until_stopped(prefill):
+    address, store, _ = prefill
+    store.publish("r9", (1,), 0, num_tokens=3, first_token=5)
+    with PeerClient("d0", ClientOptions(token=TOKEN)) as peers:
+        peers.acquire(address, "r9", tag="a")
+        assert [e.op for e in events_until(peers, 1)] == [PeerOp.ACQUIRE]
+        peers.keep_alive(address, "r9", 0.05, tag="k")
+        beats = events_until(peers, 2)  # two or more, however the timer ran
+        assert {(e.op, e.tag, e.ok) for e in beats} == {(PeerOp.HEARTBEAT, "k", True)}
+        peers.stop_keep_alive(address, "r9")
+        peers.release(address, "r9", (1,), 0, tag="r")
+        # Renewals submitted before the stop may still answer; then the release, and no more.
+        tail = events_until(peers, 1)
+        while tail[-1].op is not PeerOp.RELEASE:
+            tail += events_until(peers, 1)
+        assert all(e.op is PeerOp.HEARTBEAT for e in tail[:-1]) and tail[-1].ok
+        assert not peers.wait(0.3), peers.drain()
+        with pytest.raises(InvalidInput, match="interval_s"):
+            peers.keep_alive(address, "r9", 0)

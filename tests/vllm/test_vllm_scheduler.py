@@ -285,10 +285,10 @@ def test_decode_renews_the_lease_it_holds(connectors):
     wait_for(lambda: decode.get_num_new_matched_tokens(req, 0)[0], "acquired")
     store = prefill._scheduler.prefill.store
     acquired_deadline = store.get("r6").lease_deadline
-    # No blocks yet (vLLM is short of them): the held lease is renewed while decode steps.
+    # No blocks yet, and no engine step at all (one step can outlast a lease): the held
+    # lease is still renewed, by the peer client's own timer.
     wait_for(
-        lambda: step(decode) and store.get("r6").lease_deadline > acquired_deadline,
-        "a heartbeat renews the lease",
+        lambda: store.get("r6").lease_deadline > acquired_deadline, "a heartbeat renews the lease"
     )
     assert store.holder("r6") == "decode-0"
 

@@ -7,6 +7,10 @@ engine: vLLM's connector and pdxfer's own engine use it alike.
 
 Calls for the same (peer, request) run one after another in submission order, so a Release
 submitted after an Acquire never overtakes it; calls for different requests run side by side.
+
+A held lease is renewed by the client's own timer (`keep_alive`), not by the engine's steps: an
+engine step can outlast a lease (a CPU decode step under load, a first request's warm-up), and
+a lapsed lease lets prefill reuse blocks that are still being read.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import enum
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -85,6 +90,9 @@ class PeerClient:
         self._clients: dict[str, TransferClient] = {}
         self._chains: dict[tuple[str, str], deque[tuple[PeerOp, Callable[[], None]]]] = {}
         self._closed = False
+        # (address, request id) -> [interval_s, next renewal on time.monotonic(), tag]
+        self._kept: dict[tuple[str, str], list[Any]] = {}
+        self._beats: threading.Thread | None = None
 
     # ---- calls ---------------------------------------------------------------------------
 
@@ -107,6 +115,27 @@ class PeerClient:
             tag,
             lambda c: c.heartbeat(request_id, self.holder),
         )
+
+    def keep_alive(self, address: str, request_id: str, interval_s: float, tag: Any = None) -> None:
+        """Heartbeat `request_id` every `interval_s` seconds until `stop_keep_alive`; each
+        renewal's outcome arrives as a HEARTBEAT event like any call's."""
+        if not interval_s > 0:
+            raise InvalidInput(f"interval_s: must be positive, got {interval_s!r}")
+        with self._lock:
+            if self._closed:
+                raise Closed("PeerClient is closed")
+            self._kept[(address, request_id)] = [interval_s, time.monotonic() + interval_s, tag]
+            if self._beats is None:
+                self._beats = threading.Thread(
+                    target=self._beat_loop, name="pdxfer-peer-beats", daemon=True
+                )
+                self._beats.start()
+            self._ready.notify_all()
+
+    def stop_keep_alive(self, address: str, request_id: str) -> None:
+        """No more renewals of `request_id` (one already submitted still runs)."""
+        with self._lock:
+            self._kept.pop((address, request_id), None)
 
     def stage(self, address: str, request: StageRequest, tag: Any = None) -> None:
         if request.holder != self.holder:
@@ -179,6 +208,26 @@ class PeerClient:
         self.close()
 
     # ---- internals -----------------------------------------------------------------------
+
+    def _beat_loop(self) -> None:
+        while True:
+            with self._ready:
+                if self._closed:
+                    return
+                now = time.monotonic()
+                due = [(key, entry[2]) for key, entry in self._kept.items() if entry[1] <= now]
+                for key, _ in due:
+                    entry = self._kept[key]
+                    entry[1] = now + entry[0]
+                if not due:
+                    wake = min((entry[1] for entry in self._kept.values()), default=now + 1.0)
+                    self._ready.wait(max(wake - now, 0.001))
+                    continue
+            for (address, request_id), tag in due:
+                try:
+                    self.heartbeat(address, request_id, tag=tag)
+                except Closed:
+                    return
 
     def _submit(
         self,

@@ -16,7 +16,6 @@ from __future__ import annotations
 import enum
 import logging
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -56,7 +55,6 @@ class Pull:
     held: StoreTicket | None = None  # the acquired store ticket: what Release must repeat
     finished: bool = False  # vLLM finished the request (e.g. aborted) before it loaded
     load_failed: bool = False  # the workers gave the load up (and counted it)
-    last_beat: float = 0.0
 
 
 class DecodeSide:
@@ -70,14 +68,12 @@ class DecodeSide:
         heartbeat_s: float,
         stats: PdxferStats,
         stats_lock: threading.Lock,
-        clock: Callable[[], float] = time.monotonic,
     ):
         self._peers = peers
         self._groups = groups
         self._heartbeat_s = heartbeat_s
         self._stats = stats
         self._stats_lock = stats_lock
-        self._clock = clock
         self._pulls: dict[str, Pull] = {}
         self._loads: list[LoadSpec] = []
 
@@ -138,18 +134,10 @@ class DecodeSide:
         request.kv_transfer_params[LOADED] = True
 
     def take_loads(self) -> list[LoadSpec]:
-        """The loads to start this step; leases held (waiting for blocks, or being read) are
-        renewed every `heartbeat_s`."""
+        """The loads to start this step. (Held leases renew on PeerClient's own timer, from
+        Acquire until Release, however long a step takes.)"""
         self.poll()
         loads, self._loads = self._loads, []
-        now = self._clock()
-        for pull in self._pulls.values():
-            holding = pull.phase in (PullPhase.ACQUIRED, PullPhase.LOADING)
-            if holding and now - pull.last_beat >= self._heartbeat_s:
-                pull.last_beat = now
-                self._peers.heartbeat(
-                    pull.ticket.control_address, pull.ticket.request_id, tag=pull.request_id
-                )
         return loads
 
     def on_finished_recving(
@@ -224,6 +212,7 @@ class DecodeSide:
     def _release(self, pull: Pull) -> None:
         assert pull.held is not None
         pull.phase = PullPhase.RELEASING
+        self._peers.stop_keep_alive(pull.ticket.control_address, pull.ticket.request_id)
         self._peers.release(
             pull.ticket.control_address,
             pull.ticket.request_id,
@@ -250,7 +239,9 @@ class DecodeSide:
             return
         pull.held = event.result
         pull.phase = PullPhase.ACQUIRED
-        pull.last_beat = self._clock()  # Acquire renewed the lease
+        self._peers.keep_alive(
+            event.address, pull.ticket.request_id, self._heartbeat_s, tag=pull.request_id
+        )
         if pull.finished:
             self._release(pull)
 
