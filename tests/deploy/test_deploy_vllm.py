@@ -10,6 +10,7 @@ import json
 import pytest
 from k8s_manifests import (
     MODELS,
+    POD_IP,
     CommandLine,
     command_lines,
     container_env,
@@ -68,6 +69,9 @@ def test_every_vllm_container_loads_pdxfer_connector(name):
         # finds it; the token file lies in the read-only mount of the Secret.
         assert isinstance(extra["control_port"], int), line.label
         assert extra["control_port"] in container_ports(line.container), line.label
+        # Tickets advertise control_host: the pod's own address, not the loopback default
+        # that a decode pod could never reach.
+        assert extra["control_host"] == POD_IP, line.label
         mount, volume = mount_holding(line, extra["auth_token_file"])
         assert mount.get("readOnly") is True and volume["secret"]["secretName"] == SECRET
         relative = extra["auth_token_file"][len(mount["mountPath"].rstrip("/")) + 1 :]
