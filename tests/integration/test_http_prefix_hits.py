@@ -5,12 +5,7 @@ position."""
 
 from __future__ import annotations
 
-import os
 import re
-import signal
-import subprocess
-import sys
-import threading
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -18,10 +13,9 @@ from contextlib import contextmanager
 import openai
 import pytest
 
-from tests.support.launch import MAIN, ROOT, assert_no_leftovers
+from tests.support.up_process import up_process
 from transfer.model.reference import reference_generate
 from transfer.presets import get_preset
-from transfer.serving.procs import LAUNCH_ID_ENV
 
 pytestmark = pytest.mark.slow
 
@@ -33,40 +27,9 @@ MAX_TOKENS = 4
 @contextmanager
 def _up(model: str) -> Iterator[str]:
     """`pdxfer up --model MODEL` with its defaults (but a free HTTP port); yields the base URL."""
-    launch_id = uuid.uuid4().hex
-    proc = subprocess.Popen(
-        [sys.executable, "-c", MAIN, "up", "--model", model, "--http-port", "0"],
-        cwd=ROOT,
-        env={**os.environ, LAUNCH_ID_ENV: launch_id, "PDXFER_API_KEY": API_KEY},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    lines: list[str] = []
-    stderr: list[str] = []
-    ready = threading.Event()
-
-    def read() -> None:
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith("OpenAI API at"):
-                ready.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    threading.Thread(target=lambda: stderr.extend(proc.stderr), daemon=True).start()
-    try:
-        if not ready.wait(STARTUP_S):
-            pytest.fail(f"pdxfer up did not come up:\n{''.join(lines)}{''.join(stderr)[-3000:]}")
-        yield re.search(r"OpenAI API at (http://\S+)/v1", "".join(lines)).group(1)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            code = proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            code = proc.wait()
-        assert_no_leftovers(launch_id)
-    assert code == 0, "".join(stderr)[-3000:]
+    args = ["up", "--model", model, "--http-port", "0"]
+    with up_process(args, env={"PDXFER_API_KEY": API_KEY}, startup_s=STARTUP_S) as running:
+        yield re.search(r"OpenAI API at (http://\S+)/v1", running.stdout).group(1)
 
 
 def _send(client: openai.OpenAI, model: str, ids: list[int]) -> tuple[list[int], int]:

@@ -4,12 +4,9 @@
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -18,11 +15,11 @@ import httpx
 import openai
 import pytest
 
-from tests.support.launch import MAIN, ROOT, assert_no_leftovers
+from tests.support.launch import MAIN, ROOT
+from tests.support.up_process import up_process
 from transfer.model.reference import reference_generate
 from transfer.presets import from_hf_config
 from transfer.serving.openai.text import TextCodec
-from transfer.serving.procs import LAUNCH_ID_ENV
 
 pytestmark = pytest.mark.slow
 
@@ -65,45 +62,14 @@ def up(tmp_path_factory):
     directory = tmp_path_factory.mktemp("http") / "tiny-ckpt"
     subprocess.run([sys.executable, "-c", MAIN, "make-tiny", str(directory)], cwd=ROOT,
                    check=True, capture_output=True)  # fmt: skip
-    launch_id = uuid.uuid4().hex
     args = ["up", "--model", str(directory), "--http-port", "0", "--max-seqs", "32",
             "--gpu-mem", "64MiB"]  # fmt: skip
-    proc = subprocess.Popen(
-        [sys.executable, "-c", MAIN, *args],
-        cwd=ROOT,
-        env={**os.environ, LAUNCH_ID_ENV: launch_id, "PDXFER_API_KEY": API_KEY},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    lines: list[str] = []
-    ready = threading.Event()
-
-    def read() -> None:
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith("OpenAI API at"):
-                ready.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    stderr: list[str] = []
-    threading.Thread(target=lambda: stderr.extend(proc.stderr), daemon=True).start()
-    try:
-        if not ready.wait(STARTUP_S):
-            pytest.fail(f"pdxfer up did not come up:\n{''.join(lines)}{''.join(stderr)[-3000:]}")
-        text = "".join(lines)
+    env = {"PDXFER_API_KEY": API_KEY}
+    with up_process(args, env=env, startup_s=STARTUP_S) as running:
+        text = running.stdout
         base = re.search(r"OpenAI API at (http://\S+)/v1", text).group(1)
         metrics = dict(re.findall(r"^(prefill|decode)\s+\S+\s+metrics (\S+)$", text, re.M))
-        yield Up(directory, proc, launch_id, base, metrics)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            code = proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            code = proc.wait()
-        assert_no_leftovers(launch_id)
-    assert code == 0, "".join(stderr)[-3000:]
+        yield Up(directory, running.proc, running.launch_id, base, metrics)
 
 
 def complete(up: Up, prompt, max_tokens: int = 8, **kwargs):

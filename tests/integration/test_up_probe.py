@@ -7,18 +7,14 @@ import ipaddress
 import os
 import re
 import signal
-import subprocess
-import sys
-import threading
 import time
-import uuid
 from pathlib import Path
 
 import httpx
 import pytest
 
 from tests.integration.test_tp_rendezvous import listeners
-from tests.support.launch import MAIN, ROOT, assert_no_leftovers
+from tests.support.up_process import up_process
 from transfer.serving.procs import LAUNCH_ID_ENV, processes_with_env
 from transfer.serving.ranks import HEARTBEAT_WINDOW_S
 
@@ -56,37 +52,13 @@ class Up:
 
 @pytest.fixture(scope="module")
 def up():
-    launch_id = uuid.uuid4().hex
     args = ["up", "--model", "tiny-qwen3-next", "--prefill-tp", "2", "--http-port", "0",
             "--gpu-mem", "32MiB", "--max-seqs", "4"]  # fmt: skip
-    proc = subprocess.Popen([sys.executable, "-c", MAIN, *args], cwd=ROOT,
-                            env={**os.environ, LAUNCH_ID_ENV: launch_id},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
-    ready = threading.Event()
-    lines: list[str] = []
-
-    def read() -> None:
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith("OpenAI API at"):
-                ready.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()
-    try:
-        assert ready.wait(STARTUP_S), "".join(lines)
-        text = "".join(lines)
+    with up_process(args, startup_s=STARTUP_S, exit_code=None) as running:
+        text = running.stdout
         base = re.search(r"OpenAI API at (http://\S+)/v1", text).group(1)
         metrics = dict(re.findall(r"^(prefill|decode)\s+\S+\s+metrics (\S+)$", text, re.M))
-        yield Up(proc, launch_id, base, metrics)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        assert_no_leftovers(launch_id)
+        yield Up(running.proc, running.launch_id, base, metrics)
 
 
 def test_every_process_listens_on_loopback_only(up):

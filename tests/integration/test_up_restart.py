@@ -8,17 +8,13 @@ import contextlib
 import os
 import re
 import signal
-import subprocess
-import sys
-import threading
 import time
-import uuid
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.support.launch import MAIN, ROOT, assert_no_leftovers
+from tests.support.up_process import up_process
 from transfer.serving.procs import LAUNCH_ID_ENV, processes_with_env
 
 pytestmark = pytest.mark.slow
@@ -70,42 +66,10 @@ class Up:
 def running_up(*extra: str, exit_code: int = 0):
     """`pdxfer up` with `extra` flags, until the block ends; then SIGTERM it and check its
     exit code and that nothing of it is left."""
-    launch_id = uuid.uuid4().hex
     args = ["up", "--model", MODEL, "--http-port", "0", "--gpu-mem", "64MiB", "--max-seqs", "4",
             *extra]  # fmt: skip
-    proc = subprocess.Popen(
-        [sys.executable, "-c", MAIN, *args],
-        cwd=ROOT,
-        env={**os.environ, LAUNCH_ID_ENV: launch_id},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    lines: list[str] = []
-    stderr: list[str] = []
-    ready = threading.Event()
-
-    def read() -> None:
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith("OpenAI API at"):
-                ready.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    threading.Thread(target=lambda: stderr.extend(proc.stderr), daemon=True).start()
-    try:
-        if not ready.wait(STARTUP_S):
-            pytest.fail(f"pdxfer up did not come up:\n{''.join(lines)}{''.join(stderr)[-3000:]}")
-        yield Up(proc, launch_id, "".join(lines), stderr)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            code = proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            code = proc.wait()
-        assert_no_leftovers(launch_id)
-    assert code == exit_code, "".join(stderr)[-3000:]
+    with up_process(args, startup_s=STARTUP_S, exit_code=exit_code) as running:
+        yield Up(running.proc, running.launch_id, running.stdout, running.stderr_lines)
 
 
 @pytest.fixture

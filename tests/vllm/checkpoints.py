@@ -20,10 +20,9 @@ from transfer.tiny_presets import TINY_HF_CONFIGS
 
 _LINEAR, _FULL = "linear_attention", "full_attention"
 
-# Qwen3-Next: 3 GDN layers (2 k / 4 v heads of 128) then one GQA layer (4 q / 2 kv heads of
-# 128), MoE on odd layers; at TP 2 every head count still divides.
-QWEN3_NEXT = {
-    **TINY_HF_CONFIGS["tiny-qwen3-next"],
+# Qwen3-Next and Qwen3.5 share this shape: 3 GDN layers (2 k / 4 v heads of 128) then one GQA
+# layer (4 q / 2 kv heads of 128); at TP 2 every head count still divides.
+_GDN_GQA_128 = {
     "layer_types": [_LINEAR, _LINEAR, _LINEAR, _FULL],
     "num_hidden_layers": 4,
     "head_dim": 128,
@@ -35,20 +34,15 @@ QWEN3_NEXT = {
     "linear_num_value_heads": 4,
 }
 
-# Qwen3.5 (dense MLP, flat GDN projections), the same shape.
+# Qwen3-Next: MoE on odd layers.
+QWEN3_NEXT = {**TINY_HF_CONFIGS["tiny-qwen3-next"], **_GDN_GQA_128}
+
+# Qwen3.5: dense MLP, flat GDN projections.
 QWEN3_5 = {
     **TINY_HF_CONFIGS["tiny-qwen3.5"],
-    "layer_types": [_LINEAR, _LINEAR, _LINEAR, _FULL],
-    "num_hidden_layers": 4,
+    **_GDN_GQA_128,
     "hidden_size": 256,
     "intermediate_size": 512,
-    "head_dim": 128,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "linear_key_head_dim": 128,
-    "linear_value_head_dim": 128,
-    "linear_num_key_heads": 2,
-    "linear_num_value_heads": 4,
 }
 
 # Nemotron-H: Mamba2 (4 heads of 64, one group), MLP, Mamba2, GQA (4 q / 2 kv heads of 128).
