@@ -50,9 +50,9 @@ def test_each_prompt_alone_through_the_router_equals_colocated(pdxfer_up):
 
 
 @pytest.mark.xfail(
-    reason="PdxferConnector (main 52bc190) under 8 concurrent requests: one decode answered "
-    "an end token first (0 tokens) on 2026-12-02; the same fault as on 100-token prompts "
-    "(docs/vllm.md, 'Benchmark'). Not intermittent-safe to assert until the connector is fixed.",
+    reason="PdxferConnector under 8 concurrent requests: one of 8 answers ends early (still so "
+    "on 2026-12-02 after the whole-block and lease fixes, which fixed single requests); a "
+    "concurrency defect in the connector, not found yet (docs/vllm.md, 'Known limits').",
     strict=False,
 )
 def test_concurrent_requests_through_the_router_all_move_through_pdxfer(pdxfer_up):
