@@ -30,7 +30,8 @@ RESULT_KEYS = {
 }
 
 
-def _bench(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+# A hang guard, not a speed check: 11-20 s alone, over 240 s once beside two vLLM servers.
+def _bench(*args: str, timeout: float = 480) -> subprocess.CompletedProcess:
     entry = "import sys; from transfer.cli import main; sys.exit(main())"
     argv = [sys.executable, "-c", entry, "bench", "transfer", "--repeats", "2", *args]
     return subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
