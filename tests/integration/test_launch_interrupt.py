@@ -13,7 +13,7 @@ import uuid
 import pytest
 
 from tests.support.launch import MAIN, ROOT, assert_no_leftovers
-from transfer.serving.procs import LAUNCH_ID_ENV, processes_with_env
+from transfer.serving.launch.procs import LAUNCH_ID_ENV, processes_with_env
 
 pytestmark = pytest.mark.slow
 

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from tests.support.up_process import up_process
-from transfer.serving.procs import LAUNCH_ID_ENV, processes_with_env
+from transfer.serving.launch.procs import LAUNCH_ID_ENV, processes_with_env
 
 pytestmark = pytest.mark.slow
 

@@ -14,7 +14,7 @@ from transfer.control.types import GenerateRequest
 from transfer.model.reference import reference_generate
 from transfer.net import free_port
 from transfer.presets import get_preset
-from transfer.serving.procs import (
+from transfer.serving.launch.procs import (
     LAUNCH_ID_ENV,
     check_health,
     processes_with_env,

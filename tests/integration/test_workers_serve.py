@@ -22,7 +22,7 @@ from transfer.control.types import GenerateRequest
 from transfer.model.reference import reference_generate
 from transfer.net import free_port
 from transfer.presets import get_preset
-from transfer.serving.procs import (
+from transfer.serving.launch.procs import (
     LAUNCH_ID_ENV,
     processes_with_env,
     start_serve,

@@ -29,7 +29,13 @@ from transfer.model.runner import RankEngine
 from transfer.model.slots import CacheFillingError
 from transfer.net import free_port
 from transfer.presets import get_preset
-from transfer.serving.commands import (
+from transfer.serving.engine.decode import DecodeWorker
+from transfer.serving.engine.instance import Instance, InstanceConfig
+from transfer.serving.engine.prefill import PrefillWorker
+from transfer.serving.engine.reads import plan_direct, transfer_request
+from transfer.serving.launch.verify import check_request
+from transfer.serving.openai.router import Router
+from transfer.serving.ranks.commands import (
     DecodeStep,
     Release,
     Snapshot,
@@ -39,13 +45,7 @@ from transfer.serving.commands import (
     TransferStart,
     TransferState,
 )
-from transfer.serving.decode import DecodeWorker
-from transfer.serving.instance import Instance, InstanceConfig
-from transfer.serving.prefill import PrefillWorker
-from transfer.serving.rank_protocol import RankCommandError
-from transfer.serving.reads import plan_direct, transfer_request
-from transfer.serving.router import Router
-from transfer.serving.verify import check_request
+from transfer.serving.ranks.rank_protocol import RankCommandError
 
 pytestmark = pytest.mark.slow
 

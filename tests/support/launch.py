@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from transfer.serving.procs import LAUNCH_ID_ENV, processes_with_env
+from transfer.serving.launch.procs import LAUNCH_ID_ENV, processes_with_env
 
 ROOT = Path(__file__).resolve().parents[2]
 MAIN = "import sys; from transfer.cli import main; sys.exit(main())"

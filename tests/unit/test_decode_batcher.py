@@ -10,8 +10,8 @@ import time
 import pytest
 
 from transfer.errors import Closed, InvalidInput, PdxferError
-from transfer.serving.commands import DecodeBatch, DecodeStep, TokenPick
-from transfer.serving.decode_batcher import PIPELINE_DEPTH, DecodeBatcher
+from transfer.serving.engine.decode_batcher import PIPELINE_DEPTH, DecodeBatcher
+from transfer.serving.ranks.commands import DecodeBatch, DecodeStep, TokenPick
 
 TIMEOUT_S = 10.0
 

@@ -33,7 +33,11 @@ from transfer.errors import (
     TransferFailed,
 )
 from transfer.serving.addresses import resolve
-from transfer.serving.commands import (
+from transfer.serving.engine.decode_batcher import DecodeBatcher
+from transfer.serving.engine.instance import Instance
+from transfer.serving.engine.reads import plan_reads, transfer_request
+from transfer.serving.engine.stream import StreamPlanner, progress_entries
+from transfer.serving.ranks.commands import (
     AddPeers,
     DecodeStep,
     Release,
@@ -46,14 +50,10 @@ from transfer.serving.commands import (
     TransferStart,
     TransferState,
 )
-from transfer.serving.decode_batcher import DecodeBatcher
-from transfer.serving.instance import Instance
-from transfer.serving.progress import TransferMode
-from transfer.serving.rank_protocol import RankCommandError
-from transfer.serving.reads import plan_reads, transfer_request
+from transfer.serving.ranks.progress import TransferMode
+from transfer.serving.ranks.rank_protocol import RankCommandError
+from transfer.serving.ranks.spec import RankReads
 from transfer.serving.role import ServeRole
-from transfer.serving.spec import RankReads
-from transfer.serving.stream import StreamPlanner, progress_entries
 
 logger = logging.getLogger(__name__)
 

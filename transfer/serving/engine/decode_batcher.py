@@ -27,9 +27,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 from transfer.errors import Closed, InvalidInput, PdxferError, WrongState
-from transfer.serving.commands import DecodeBatch, DecodeStep, TokenPick
-from transfer.serving.rank_protocol import same_on_every_rank
-from transfer.serving.ranks import Pending, RankGroup
+from transfer.serving.ranks.commands import DecodeBatch, DecodeStep, TokenPick
+from transfer.serving.ranks.rank_protocol import same_on_every_rank
+from transfer.serving.ranks.ranks import Pending, RankGroup
 
 logger = logging.getLogger(__name__)
 

@@ -8,12 +8,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 from transfer.control.types import GREEDY, SamplingParams
-from transfer.serving.rank_protocol import RankCommand
+from transfer.serving.ranks.rank_protocol import RankCommand
+from transfer.serving.ranks.spec import Copies, RankReads
 from transfer.serving.role import ServeRole
-from transfer.serving.spec import Copies, RankReads
 
 if TYPE_CHECKING:
-    from transfer.serving.rank_worker import RankWorker
+    from transfer.serving.ranks.rank_worker import RankWorker
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,7 @@ class PrefillChunk:
     the cached block holding its last rows as `copy_block` (or -1): its first
     `context_len % block_size` KV rows are copied into the prompt's own block at
     `context_len // block_size` before the step (copy on write). A streamed prompt's chunks
-    publish their progress (`transfer.serving.progress`) as the step's layer groups finish."""
+    publish their progress (`transfer.serving.ranks.progress`) as the step's layer groups finish."""
 
     tokens: tuple[int, ...]
     context_len: int
