@@ -23,7 +23,7 @@ from collections import deque
 from multiprocessing.connection import Connection
 from typing import Any
 
-from transfer.serving.launch.procs import die_with_parent
+from transfer.serving.child_process import die_with_parent
 from transfer.serving.ranks.rank_protocol import HEARTBEAT_S, RankFailure, RankLaunch, Stop
 
 logger = logging.getLogger(__name__)

@@ -20,8 +20,8 @@ from transfer.control.metrics import WorkerMetrics, serve_metrics
 from transfer.control.server import serve as serve_control
 from transfer.net import free_port
 from transfer.serving.addresses import join_address
+from transfer.serving.child_process import ready_line
 from transfer.serving.engine.serve_options import ANY_PORT, RouterBackend, ServeOptions
-from transfer.serving.launch.procs import ready_line
 from transfer.serving.openai.http_front import api_key, http_front
 from transfer.serving.openai.router import Router, RouterMetrics
 from transfer.serving.role import ServeRole
