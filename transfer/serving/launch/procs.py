@@ -156,19 +156,3 @@ def stop_all(procs: list[ServeProcess], grace_s: float = 10.0) -> None:
         for handle in (proc._stdout, proc._stderr):
             if handle is not None:
                 handle.close()
-
-
-def processes_with_env(key: str, value: str) -> list[int]:
-    """Pids (Linux /proc) whose environment holds `key=value`: leftovers of a launch run."""
-    needle = f"{key}={value}".encode()
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            environ = (entry / "environ").read_bytes()
-        except OSError:
-            continue
-        if needle in environ.split(b"\0"):
-            found.append(int(entry.name))
-    return found

@@ -215,11 +215,11 @@ class TransferSettled(RankCommand[bool]):
 
 
 @dataclass(frozen=True)
-class DecodeStep(RankCommand[TokenPick]):
-    """Feed `token` at `position`; answers the next token, token `index` of the
-    `sampling` stream (0 is the one prefill picked). `token` None feeds what the slot's
-    previous decode step picked, which must have been for `position`: a step sent before
-    that pick came back (pipelined decode)."""
+class DecodeStep:
+    """One request's part of a `DecodeBatch`: feed `token` at `position`; its pick is the
+    next token, token `index` of the `sampling` stream (0 is the one prefill picked).
+    `token` None feeds what the slot's previous decode step picked, which must have been
+    for `position`: a step sent before that pick came back (pipelined decode)."""
 
     token: int | None
     position: int
@@ -227,11 +227,6 @@ class DecodeStep(RankCommand[TokenPick]):
     slot: int
     sampling: SamplingParams = GREEDY
     index: int = 1
-
-    def apply(self, worker: RankWorker) -> TokenPick:
-        return worker.decode_step(
-            self.token, self.position, list(self.block_ids), self.slot, self.sampling, self.index
-        )
 
 
 @dataclass(frozen=True)

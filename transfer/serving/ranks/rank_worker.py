@@ -177,21 +177,6 @@ class RankWorker:
     def transfer_settled(self, request_id: str) -> bool:
         return self.transfers.settled(request_id)
 
-    def decode_step(
-        self,
-        token: int | None,
-        position: int,
-        block_ids: list[int],
-        slot: int,
-        sampling: SamplingParams,
-        index: int,
-    ) -> TokenPick:
-        token = self._fed_token(token, position, slot)
-        sampler = _sampler(sampling)
-        pick = self.engine.decode_step_pick(token, position, block_ids, slot, sampler, index)
-        self.picked[slot] = (position + 1, pick.token)
-        return TokenPick(pick.token, pick.logprob)
-
     def decode_batch(self, steps: Sequence[DecodeStep]) -> tuple[TokenPick, ...]:
         # Run in slot order: the states of consecutive slots are one slice of each cache,
         # read and written without a gather (transfer.model.layers.varlen).
