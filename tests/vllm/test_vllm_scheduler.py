@@ -395,3 +395,26 @@ def test_frozen_prefill_costs_decode_control_timeout_s_then_local_compute(connec
             time.sleep(0.05)
     assert decode._scheduler.decode.phase("d11") is PullPhase.LOCAL
     assert decode.get_kv_connector_stats().data["num_failed_transfers"] == [1]
+
+
+@pytest.mark.parametrize("forged", ["block_ids", "num_tokens", "groups"])
+def test_ticket_that_differs_from_prefills_is_not_read(connectors, forged):
+    """A forged or stale ticket (its blocks or token count differ from what prefill's store
+    holds for that request) orders no load: decode releases, computes locally, counts it."""
+    prefill, decode = connectors("prefill-0"), connectors("decode-0")
+    params = finish_prefill(prefill, "r12")
+    body = params["pdxfer"]
+    if forged == "block_ids":
+        body["block_ids"][0] = [b + 40 for b in body["block_ids"][0]]  # another request's
+    elif forged == "num_tokens":
+        body["num_tokens"] -= BLOCK
+    else:
+        body["block_ids"] = body["block_ids"][:1]
+    req = request("d12", params)
+    decode.on_new_request(req)
+    # (None, False) while acquiring; then no tokens from prefill: vLLM computes the prompt.
+    wait_for(lambda: decode.get_num_new_matched_tokens(req, 0) == (0, False), "acquire ends")
+    assert step(decode).loads == []
+    assert wait_for(lambda: released_ids(prefill), "prefill frees after release") == ["r12"]
+    wait_for(lambda: step(decode) and decode._scheduler.decode.phase("d12") is None, "forgotten")
+    assert decode.get_kv_connector_stats().data["num_failed_transfers"] == [1]
