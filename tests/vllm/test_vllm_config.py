@@ -16,6 +16,7 @@ def test_bare_config_works_on_one_machine():
     assert config.transport is TransportKind.NIXL
     assert config.auth_token is None
     assert config.heartbeat_s == config.lease_s / 3
+    assert config.control_timeout_s == 10.0
 
 
 def test_every_setting_parses(tmp_path):
@@ -28,6 +29,7 @@ def test_every_setting_parses(tmp_path):
             "control_host": "10.0.0.7",
             "control_port": 7100,
             "lease_s": 5,
+            "control_timeout_s": 30,
             "verify": False,
         }
     )
@@ -37,6 +39,7 @@ def test_every_setting_parses(tmp_path):
         control_host="10.0.0.7",
         control_port=7100,
         lease_s=5.0,
+        control_timeout_s=30.0,
         verify=False,
     )
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -55,6 +58,11 @@ def test_every_setting_parses(tmp_path):
         ("lease_s", 0),
         ("lease_s", float("nan")),
         ("lease_s", False),
+        ("control_timeout_s", 0),
+        ("control_timeout_s", -1.5),
+        ("control_timeout_s", float("inf")),
+        ("control_timeout_s", True),
+        ("control_timeout_s", "30"),
         ("verify", "yes"),
         ("verify", True),
         ("auth_token_file", 3),

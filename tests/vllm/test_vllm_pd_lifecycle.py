@@ -1,11 +1,16 @@
 """The request lifecycle through PdxferConnector with real vLLM on both sides (TP 1 -> 1, the
 tiny bf16 Qwen3-Next): a decode request abandoned by its client frees the prefill side's
-blocks at once, not at lease expiry, and decode keeps serving."""
+blocks at once, not at lease expiry, and decode keeps serving; a prefill killed (SIGKILL) or
+frozen (SIGSTOP) after it answered the prefill step costs decode's request a local
+recompute (same tokens), counted as a failed transfer and logged, and decode keeps serving."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 import re
+import signal
+import socket
 import time
 import urllib.error
 
@@ -24,7 +29,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
 # A lease far longer than any test: whatever frees prefill's blocks here, it is not expiry.
 LEASE_S = 900
+# A frozen prefill costs a decode request this long (the 10 s default would do too; shorter
+# keeps the test short, and an Acquire on an idle loopback answers in milliseconds).
+CONTROL_TIMEOUT_S = 5
 WAIT_S = 120.0
+FAILED = "vllm:pdxfer_num_failed_transfers_total"
 
 
 def prompt(k: int, length: int) -> list[int]:
@@ -41,7 +50,7 @@ def metric(text: str, name: str) -> float:
 def pd_pair(qwen3_next_checkpoint):
     config = {
         **connector_config(Connector.PDXFER),
-        "kv_connector_extra_config": {"lease_s": LEASE_S},
+        "kv_connector_extra_config": {"lease_s": LEASE_S, "control_timeout_s": CONTROL_TIMEOUT_S},
     }
     with contextlib.ExitStack() as stack:
         servers = [
@@ -90,3 +99,69 @@ def test_abandoned_decode_request_frees_prefill_blocks(pd_pair):
     assert metric(prefill_metrics, "vllm:pdxfer_num_expired_leases_total") == 0
     # Decode keeps serving.
     assert greedy_completion(decode, prompt(12, 50), 2)["choices"][0]["token_ids"]
+
+
+@pytest.fixture
+def doomed_prefill(qwen3_next_checkpoint, pd_pair):
+    """A prefill server of its own, for a test to kill or freeze (killed after the test)."""
+    config = {
+        **connector_config(Connector.PDXFER),
+        "kv_connector_extra_config": {"lease_s": LEASE_S},
+    }
+    with running_vllm(qwen3_next_checkpoint, name="doomed", kv_transfer_config=config) as server:
+        try:
+            yield server
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(server.popen.pid, signal.SIGKILL)  # frozen: SIGTERM would wait
+
+
+def refuses_connections(address: str) -> bool:
+    """Whether nothing listens at HOST:PORT any more (a killed server's processes may linger
+    as zombies, so the process group is no sign)."""
+    host, port = address.rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), timeout=2.0).close()
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
+@pytest.mark.parametrize(
+    ("fault", "error", "k"),
+    [(signal.SIGKILL, "UNAVAILABLE", 13), (signal.SIGSTOP, "DEADLINE_EXCEEDED", 15)],
+    ids=["killed", "frozen"],
+)
+def test_prefill_lost_after_its_step_costs_decode_a_recompute(
+    pd_pair, doomed_prefill, fault, error, k
+):
+    _, decode = pd_pair
+    ids = prompt(k, 60)  # under one 384-token block: no prefix-cache hit on decode
+    first = greedy_completion(doomed_prefill, ids, 1, kv_transfer_params={"do_remote_decode": True})
+    params = first["kv_transfer_params"]
+    failed_before = metric(get_text(decode.url + "/metrics"), FAILED)
+    os.killpg(doomed_prefill.popen.pid, fault)
+    if fault == signal.SIGKILL:
+        address = params["pdxfer"]["control_address"]
+        wait_until(lambda: refuses_connections(address), "the killed prefill's control port closes")
+
+    answer = greedy_completion(decode, ids, 3, kv_transfer_params=params)
+    # Decode could not acquire the cache (a dead prefill refuses the connection; a frozen one
+    # never answers, and the call gives up at control_timeout_s): it computed the prompt.
+    colocated = greedy_completion(decode, ids, 3)
+    assert answer["choices"][0]["token_ids"] == colocated["choices"][0]["token_ids"]
+    wait_until(
+        lambda: metric(get_text(decode.url + "/metrics"), FAILED) == failed_before + 1,
+        "decode counts the failed transfer",
+    )
+    log = decode.log_path.read_text(errors="replace")
+    address = re.escape(params["pdxfer"]["control_address"])
+    assert re.search(rf"acquiring its cache from {address} failed \(.*{error}.*computing it", log)
+    wait_until(
+        lambda: metric(get_text(decode.url + "/metrics"), "vllm:kv_cache_usage_perc") == 0.0,
+        "decode frees the request's blocks",
+    )
+    # Decode keeps serving (the colocated request above was one, this is another).
+    assert len(greedy_completion(decode, prompt(k + 1, 60), 2)["choices"][0]["token_ids"]) == 2

@@ -375,3 +375,46 @@ def test_decode_request_finished_before_vllm_showed_it_still_frees_prefill(conne
     req.status = RequestStatus.FINISHED_ABORTED  # no on_new_request, no scheduling
     assert decode.request_finished_all_groups(req, ([], [], [], [])) == (False, None)
     assert wait_for(lambda: released_ids(prefill) or (step(decode) and None), "freed") == ["r10"]
+
+
+def test_frozen_prefill_costs_decode_control_timeout_s_then_local_compute(connectors):
+    """A prefill that accepts connections but never answers (SIGSTOPped, say): Acquire gives
+    up after the configured control_timeout_s, not the 10 s default, and decode computes."""
+    decode = connectors("decode-0", control_timeout_s=0.5)
+    with socket.socket() as frozen:
+        frozen.bind(("127.0.0.1", 0))
+        frozen.listen()  # the kernel accepts; nothing ever reads or answers
+        address = f"127.0.0.1:{frozen.getsockname()[1]}"
+        ticket = Ticket(address, "frozen", ((1,), (2,), (3,), (4,)), PROMPT - 1, 1, "x")
+        req = request("d11", ticket.to_params())
+        decode.on_new_request(req)
+        started = time.monotonic()
+        deadline = started + 5.0  # well under the 10 s default
+        while decode.get_num_new_matched_tokens(req, 0) != (0, False):
+            assert time.monotonic() < deadline, "Acquire outlived control_timeout_s"
+            time.sleep(0.05)
+    assert decode._scheduler.decode.phase("d11") is PullPhase.LOCAL
+    assert decode.get_kv_connector_stats().data["num_failed_transfers"] == [1]
+
+
+@pytest.mark.parametrize("forged", ["block_ids", "num_tokens", "groups"])
+def test_ticket_that_differs_from_prefills_is_not_read(connectors, forged):
+    """A forged or stale ticket (its blocks or token count differ from what prefill's store
+    holds for that request) orders no load: decode releases, computes locally, counts it."""
+    prefill, decode = connectors("prefill-0"), connectors("decode-0")
+    params = finish_prefill(prefill, "r12")
+    body = params["pdxfer"]
+    if forged == "block_ids":
+        body["block_ids"][0] = [b + 40 for b in body["block_ids"][0]]  # another request's
+    elif forged == "num_tokens":
+        body["num_tokens"] -= BLOCK
+    else:
+        body["block_ids"] = body["block_ids"][:1]
+    req = request("d12", params)
+    decode.on_new_request(req)
+    # (None, False) while acquiring; then no tokens from prefill: vLLM computes the prompt.
+    wait_for(lambda: decode.get_num_new_matched_tokens(req, 0) == (0, False), "acquire ends")
+    assert step(decode).loads == []
+    assert wait_for(lambda: released_ids(prefill), "prefill frees after release") == ["r12"]
+    wait_for(lambda: step(decode) and decode._scheduler.decode.phase("d12") is None, "forgotten")
+    assert decode.get_kv_connector_stats().data["num_failed_transfers"] == [1]

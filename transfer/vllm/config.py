@@ -50,6 +50,11 @@ class PdxferConfig:
         Two minutes by default: a vLLM decode server can take over a minute to reach a request
         (the first request after start-up at TP 2 on CPU took 74 s), and an abandoned request is
         released at once anyway, so only a dead decode holds blocks this long.
+    control_timeout_s: the deadline of each control call decode makes to a prefill instance
+        (Acquire, Heartbeat, Release, the workers' Handshake). A frozen or partitioned prefill
+        costs a decode request this long before vLLM computes the prompt itself (a dead one
+        refuses the connection at once). Ten seconds by default; raise it when prefill's
+        control plane answers slowly under load (an Acquire then fails and decode recomputes).
     verify: reserved; `true` is refused until decode checks what it read (pdxfer's own workers
         have `launch --verify`).
     """
@@ -59,6 +64,7 @@ class PdxferConfig:
     control_host: str = "127.0.0.1"
     control_port: int = 0
     lease_s: float = 120.0
+    control_timeout_s: float = 10.0
     verify: bool = False
 
     @property
@@ -95,18 +101,9 @@ class PdxferConfig:
                     f"{FIELD_PREFIX}.control_port: not a port in [0, 65535], got {port!r}"
                 )
             values["control_port"] = port
-        if "lease_s" in extra:
-            lease = extra["lease_s"]
-            if (
-                isinstance(lease, bool)
-                or not isinstance(lease, (int, float))
-                or not math.isfinite(lease)
-                or lease <= 0
-            ):
-                raise InvalidInput(
-                    f"{FIELD_PREFIX}.lease_s: not a positive number of seconds, got {lease!r}"
-                )
-            values["lease_s"] = float(lease)
+        for name in ("lease_s", "control_timeout_s"):
+            if name in extra:
+                values[name] = _positive_seconds(name, extra[name])
         if "verify" in extra:
             if not isinstance(extra["verify"], bool):
                 raise InvalidInput(f"{FIELD_PREFIX}.verify: not true or false")
@@ -115,6 +112,19 @@ class PdxferConfig:
                     f"{FIELD_PREFIX}.verify: not supported by the vLLM connector yet (false only)"
                 )
         return cls(**values)
+
+
+def _positive_seconds(name: str, value: Any) -> float:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise InvalidInput(
+            f"{FIELD_PREFIX}.{name}: not a positive number of seconds, got {value!r}"
+        )
+    return float(value)
 
 
 def _transport(value: Any) -> TransportKind:

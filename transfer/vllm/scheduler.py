@@ -26,10 +26,6 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-# A control call to a prefill instance: a frozen or partitioned one costs decode this long
-# before it computes the prompt itself (a dead one refuses the connection at once).
-ACQUIRE_TIMEOUT_S = 10.0
-
 
 class ConnectorScheduler:
     """Everything `PdxferConnector` does in vLLM's scheduler process."""
@@ -55,7 +51,7 @@ class ConnectorScheduler:
             stats_lock=self._stats_lock,
         )
         self.peers = PeerClient(
-            instance_id, ClientOptions(token=config.auth_token, timeout_s=ACQUIRE_TIMEOUT_S)
+            instance_id, ClientOptions(token=config.auth_token, timeout_s=config.control_timeout_s)
         )
         self.decode = DecodeSide(
             self.peers,

@@ -4,6 +4,7 @@ with a pdxfer ticket, moved through its phases on vLLM's scheduler thread.
     ACQUIRING --acquired--> ACQUIRED --blocks allocated--> LOADING --finished_recving--> RELEASING
         |                      |                                                          |
         +--failed: LOCAL       +--aborted / nothing to load: RELEASING                   done
+        +--ticket differs from prefill's: RELEASING (vLLM computes the prompt)
 
 Acquire (claim the ticket, renew its lease) runs before vLLM is told how many tokens it will
 get, so a dead or unknown prefill costs a recompute, not a failed request. Heartbeats keep the
@@ -54,7 +55,7 @@ class Pull:
     phase: PullPhase = PullPhase.ACQUIRING
     held: StoreTicket | None = None  # the acquired store ticket: what Release must repeat
     finished: bool = False  # vLLM finished the request (e.g. aborted) before it loaded
-    load_failed: bool = False  # the workers gave the load up (and counted it)
+    failure_counted: bool = False  # a failed load (the workers count it) or a refused ticket
 
 
 class DecodeSide:
@@ -148,7 +149,7 @@ class DecodeSide:
         for request_id in request_ids | failed_ids:
             pull = self._pulls.get(request_id)
             if pull is not None and pull.phase is PullPhase.LOADING:
-                pull.load_failed = request_id in failed_ids
+                pull.failure_counted = request_id in failed_ids
                 self._release(pull)
         self.poll()
 
@@ -238,6 +239,22 @@ class DecodeSide:
                 del self._pulls[pull.request_id]
             return
         pull.held = event.result
+        mismatch = _mismatch(pull.ticket, pull.held, self._groups)
+        if mismatch is not None:
+            # A forged or stale ticket: reading its blocks could read another request's cache.
+            logger.error(
+                "request %s: its pdxfer ticket does not match what %s holds for %s (%s); "
+                "not reading, computing the prompt locally",
+                pull.request_id,
+                event.address,
+                pull.ticket.request_id,
+                mismatch,
+            )
+            with self._stats_lock:
+                self._stats.record_failed_transfer()
+            pull.failure_counted = True
+            self._release(pull)  # releasing makes vLLM compute it (no tokens matched)
+            return
         pull.phase = PullPhase.ACQUIRED
         self._peers.keep_alive(
             event.address, pull.ticket.request_id, self._heartbeat_s, tag=pull.request_id
@@ -258,9 +275,9 @@ class DecodeSide:
         del self._pulls[pull.request_id]
         if event.ok:
             return
-        if pull.load_failed:  # prefill gone, most likely: the failed load is counted already
+        if pull.failure_counted:  # prefill gone, most likely: counted already
             logger.warning(
-                "request %s: release at %s after a failed load: %s",
+                "request %s: release at %s after a counted failure: %s",
                 pull.request_id,
                 event.address,
                 event.error,
@@ -273,6 +290,24 @@ class DecodeSide:
         )
         with self._stats_lock:
             self._stats.record_failed_transfer()
+
+
+def _mismatch(ticket: Ticket, held: StoreTicket, groups: TransferGroups) -> str | None:
+    """How the client's ticket differs from the one prefill's TicketStore holds, or None.
+
+    The store keeps the ticket group's block ids and the token count; the other groups' ids
+    (a mamba group's state block) are not in it and cannot be checked here."""
+    if ticket.num_tokens != held.num_tokens:
+        return f"num_tokens {ticket.num_tokens}, prefill holds {held.num_tokens}"
+    if len(ticket.block_ids) != len(groups):
+        return f"{len(ticket.block_ids)} block groups, this model has {len(groups)}"
+    ticket_group = groups.ticket_group
+    if tuple(ticket.block_ids[ticket_group]) != tuple(held.block_ids):
+        return (
+            f"block_ids[{ticket_group}] {list(ticket.block_ids[ticket_group])}, "
+            f"prefill holds {list(held.block_ids)}"
+        )
+    return None
 
 
 _HANDLERS: dict[PeerOp, Callable[[DecodeSide, Pull, PeerEvent], None]] = {

@@ -230,7 +230,9 @@ class ConnectorWorker:
             return peer
         assert self.agent is not None
         compat = compat_fields(self.vllm_config, self.kv_cache_config)
-        client = TransferClient(address, token=self.config.auth_token)
+        client = TransferClient(
+            address, token=self.config.auth_token, timeout_s=self.config.control_timeout_s
+        )
         try:
             reply = client.handshake(f"vllm-decode-{self.rank}", compat)
         finally:
