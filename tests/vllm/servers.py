@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import sys
 import tempfile
 import urllib.request
@@ -123,6 +124,15 @@ def post_json(url: str, body: Mapping[str, Any], timeout_s: float = REQUEST_TIME
 def get_text(url: str, timeout_s: float = 30.0) -> str:
     with urllib.request.urlopen(url, timeout=timeout_s) as response:
         return response.read().decode()
+
+
+def metric_sum(text: str, name: str) -> float:
+    """The sum of `name` over its labels in Prometheus text (0 when absent)."""
+    total = 0.0
+    for line in text.splitlines():
+        if re.match(rf"^{re.escape(name)}(\{{.*\}})? ", line):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
 
 
 def greedy_completion(

@@ -23,6 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from transfer.vllm.attn_isa import check_attention_layers
 from transfer.vllm.config import PdxferConfig
 from transfer.vllm.metadata import StepMetadata
 from transfer.vllm.scheduler import ConnectorScheduler
@@ -126,7 +127,9 @@ class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
     # ---- worker side ---------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._work().register_kv_caches(kv_caches)
+        worker = self._work()
+        check_attention_layers(self._vllm_config, self._kv_cache_config)
+        worker.register_kv_caches(kv_caches)
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         return self._work().get_handshake_metadata()

