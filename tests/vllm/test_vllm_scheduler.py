@@ -375,3 +375,22 @@ def test_decode_request_finished_before_vllm_showed_it_still_frees_prefill(conne
     req.status = RequestStatus.FINISHED_ABORTED  # no on_new_request, no scheduling
     assert decode.request_finished_all_groups(req, ([], [], [], [])) == (False, None)
     assert wait_for(lambda: released_ids(prefill) or (step(decode) and None), "freed") == ["r10"]
+
+
+def test_an_empty_step_while_prefill_only_holds_tickets_pauses(connectors, monkeypatch):
+    """vLLM steps a prefill engine without pause while it holds a finished request's blocks;
+    the connector makes such an empty step wait (IDLE_HOLD_PAUSE_S), and no other step."""
+    from transfer.vllm import scheduler
+
+    pauses: list[float] = []
+    monkeypatch.setattr(scheduler.time, "sleep", pauses.append)
+    prefill = connectors("prefill-0")
+    step(prefill)
+    assert pauses == []  # holds nothing
+    finish_prefill(prefill, "r1")
+    busy = copy.copy(SchedulerOutput.make_empty())
+    busy.total_num_scheduled_tokens = 5
+    prefill.build_connector_meta(busy)
+    assert pauses == []  # computes something
+    step(prefill)
+    assert pauses == [scheduler.IDLE_HOLD_PAUSE_S]
