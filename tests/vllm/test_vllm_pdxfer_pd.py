@@ -29,9 +29,9 @@ def _metric(text: str, name: str) -> float:
     return total
 
 
-# A TP-2 side hangs: on 2026-12-02 a TP-2 prefill's workers stopped answering its engine
-# ("No available shared memory broadcast block found") after a lease expired and decode's
-# load never finished; not diagnosed yet (docs/vllm.md, "Known limits").
+# A TP-2 side starved the 2-core host: a TP-2 prefill holding a ticket stepped its engine
+# without pause, its control server missed deadlines and leases lapsed (docs/vllm.md, "Known
+# limits"). Fixed by the idle-hold pause and early renewal retries, not yet run since.
 _TP2_HANGS = pytest.mark.xfail(run=False, reason="TP-2 P/D through PdxferConnector hangs")
 
 

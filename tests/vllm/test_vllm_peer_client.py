@@ -159,3 +159,24 @@ def test_keep_alive_renews_a_lease_until_stopped(prefill):
         assert not peers.wait(0.3), peers.drain()
         with pytest.raises(InvalidInput, match="interval_s"):
             peers.keep_alive(address, "r9", 0)
+
+
+def test_a_renewal_that_got_no_answer_is_retried_early():
+    """Two missed beats in a row lost a lease still in use: a renewal that failed without an
+    answer (UNAVAILABLE, DEADLINE_EXCEEDED) brings the next one forward to a quarter interval."""
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{probe.getsockname()[1]}"
+    with PeerClient("d0", ClientOptions(timeout_s=2.0)) as peers:
+        peers.keep_alive(address, "r1", 400.0, tag="k")
+        planned = peers.next_renewal(address, "r1")
+        peers.heartbeat(address, "r1", tag="now")
+        (beat,) = events_until(peers, 1)
+        assert beat.error is not None and beat.error.code.name in (
+            "UNAVAILABLE",
+            "DEADLINE_EXCEEDED",
+        )
+        retry = peers.next_renewal(address, "r1")
+        assert retry is not None and retry <= planned - 250.0
+        peers.stop_keep_alive(address, "r1")
+        assert peers.next_renewal(address, "r1") is None

@@ -418,3 +418,22 @@ def test_ticket_that_differs_from_prefills_is_not_read(connectors, forged):
     assert wait_for(lambda: released_ids(prefill), "prefill frees after release") == ["r12"]
     wait_for(lambda: step(decode) and decode._scheduler.decode.phase("d12") is None, "forgotten")
     assert decode.get_kv_connector_stats().data["num_failed_transfers"] == [1]
+
+
+def test_an_empty_step_while_prefill_only_holds_tickets_pauses(connectors, monkeypatch):
+    """vLLM steps a prefill engine without pause while it holds a finished request's blocks;
+    the connector makes such an empty step wait (IDLE_HOLD_PAUSE_S), and no other step."""
+    from transfer.vllm import scheduler
+
+    pauses: list[float] = []
+    monkeypatch.setattr(scheduler.time, "sleep", pauses.append)
+    prefill = connectors("prefill-0")
+    step(prefill)
+    assert pauses == []  # holds nothing
+    finish_prefill(prefill, "r1")
+    busy = copy.copy(SchedulerOutput.make_empty())
+    busy.total_num_scheduled_tokens = 5
+    prefill.build_connector_meta(busy)
+    assert pauses == []  # computes something
+    step(prefill)
+    assert pauses == [scheduler.IDLE_HOLD_PAUSE_S]

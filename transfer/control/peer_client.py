@@ -26,11 +26,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from transfer.control.client import ClientOptions, TransferClient
-from transfer.control.errors import ControlError
+from transfer.control.errors import ControlError, GrpcCode
 from transfer.control.types import StageRequest, validate_id
 from transfer.errors import Closed, InvalidInput
 
 logger = logging.getLogger(__name__)
+
+# A renewal that failed without an answer (deadline passed, peer unreachable) is tried again
+# after this share of the interval, not a whole interval later: at three beats per lease, two
+# missed beats in a row lost the lease of a transfer still being read (a starved prefill's
+# control server, 2026-12-05). A peer that answers (NOT_FOUND: the lease is gone) is not retried.
+RENEWAL_RETRY_SHARE = 0.25
+_RETRIED_CODES = frozenset({GrpcCode.DEADLINE_EXCEEDED, GrpcCode.UNAVAILABLE})
 
 
 class PeerOp(enum.Enum):
@@ -131,6 +138,12 @@ class PeerClient:
                 )
                 self._beats.start()
             self._ready.notify_all()
+
+    def next_renewal(self, address: str, request_id: str) -> float | None:
+        """When (time.monotonic()) `request_id`'s next renewal is due; None if not kept."""
+        with self._lock:
+            entry = self._kept.get((address, request_id))
+            return None if entry is None else entry[1]
 
     def stop_keep_alive(self, address: str, request_id: str) -> None:
         """No more renewals of `request_id` (one already submitted still runs)."""
@@ -265,6 +278,9 @@ class PeerClient:
     def _finish(self, key: tuple[str, str], event: PeerEvent) -> None:
         with self._lock:
             self._events.append(event)
+            kept = self._kept.get(key)
+            if kept is not None and event.op is PeerOp.HEARTBEAT and _unanswered(event):
+                kept[1] = min(kept[1], time.monotonic() + kept[0] * RENEWAL_RETRY_SHARE)
             chain = self._chains[key]
             chain.popleft()
             following = chain[0] if chain else None
@@ -291,6 +307,10 @@ class PeerClient:
                 )
                 self._clients[address] = client
             return client
+
+
+def _unanswered(event: PeerEvent) -> bool:
+    return event.error is not None and event.error.code in _RETRIED_CODES
 
 
 _CLOSED = ControlError("CANCELLED", "PeerClient closed before the call ran")

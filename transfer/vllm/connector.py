@@ -96,7 +96,7 @@ class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
         self._sched().update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        return self._sched().build_connector_meta()
+        return self._sched().build_connector_meta(scheduler_output.total_num_scheduled_tokens)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self._sched().update_connector_output(connector_output)

@@ -8,6 +8,7 @@ Each step's `StepMetadata` carries decode's new loads and prefill's released ids
 from __future__ import annotations
 
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 from transfer.control.client import ClientOptions
@@ -25,6 +26,15 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
+
+# While prefill holds finished requests' blocks for decode, vLLM counts those requests as
+# unfinished and steps its engine without pause, with nothing to compute: every empty step
+# wakes each TP worker. A TP-2 prefill holding one ticket so kept both cores of a 2-core
+# host busy (top: its workers 98 % and 68 %, its engine core 24 %), starving its own control
+# server (Heartbeat and Acquire hit their deadline, leases lapsed) and the decode server. An
+# empty step while prefill only holds tickets waits this long first (the GIL released, so
+# control calls run meanwhile); a new request waits at most this much longer.
+IDLE_HOLD_PAUSE_S = 0.05
 
 
 class ConnectorScheduler:
@@ -86,7 +96,10 @@ class ConnectorScheduler:
     ) -> None:
         self.decode.update_state_after_alloc(request, blocks, num_external_tokens)
 
-    def build_connector_meta(self) -> StepMetadata:
+    def build_connector_meta(self, num_scheduled_tokens: int) -> StepMetadata:
+        """The step's orders to the workers; `num_scheduled_tokens`: vLLM's for this step."""
+        if num_scheduled_tokens == 0 and self.decode.idle() and self.prefill.only_holding():
+            time.sleep(IDLE_HOLD_PAUSE_S)
         return StepMetadata(loads=self.decode.take_loads(), released=self.prefill.take_released())
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:

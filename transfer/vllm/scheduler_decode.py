@@ -165,6 +165,10 @@ class DecodeSide:
         elif pull.phase is PullPhase.LOCAL:
             del self._pulls[request.request_id]
 
+    def idle(self) -> bool:
+        """No request of this server pulls a cache, nor waits to."""
+        return not self._pulls and not self._loads
+
     def has_calls_in_flight(self) -> bool:
         """An Acquire or Release whose answer must still be applied: vLLM must keep stepping
         (an aborted request's release goes out only when its Acquire's answer is seen)."""

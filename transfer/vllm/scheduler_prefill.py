@@ -187,6 +187,12 @@ class PrefillSide:
             pending = bool(self._released)
         return pending or len(self.store) > 0
 
+    def only_holding(self) -> bool:
+        """Tickets wait for decode and nothing was released since the last step."""
+        with self._lock:
+            released = bool(self._released)
+        return not released and len(self.store) > 0
+
     def shutdown(self) -> None:
         if self._server is not None:
             self._server.stop(grace=0.5)
