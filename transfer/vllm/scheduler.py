@@ -22,6 +22,7 @@ from transfer.vllm.stats import PdxferStats
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
@@ -90,8 +91,12 @@ class ConnectorScheduler:
     ) -> None:
         self.decode.update_state_after_alloc(request, blocks, num_external_tokens)
 
-    def build_connector_meta(self) -> StepMetadata:
-        return StepMetadata(loads=self.decode.take_loads(), released=self.prefill.take_released())
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> StepMetadata:
+        return StepMetadata(
+            loads=self.decode.take_loads(),
+            released=self.prefill.take_released(),
+            stages=self.prefill.plan_stages(scheduler_output),
+        )
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         self.decode.on_finished_recving(
