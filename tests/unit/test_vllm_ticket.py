@@ -19,13 +19,28 @@ def test_round_trip_through_json():
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("tp_size", 0), ("num_tokens", True), ("request_id", ""), ("block_ids", [[1, -1]])],
+    [
+        ("tp_size", 0),
+        ("num_tokens", True),
+        ("request_id", ""),
+        ("block_ids", [[1, -1]]),
+        ("staged_offsets", [4096]),  # one offset for two prefill ranks
+        ("staged_offsets", [4096, -1]),
+    ],
 )
 def test_bad_field_is_named(field, value):
     params = ticket().to_params()
     params["pdxfer"][field] = value
     with pytest.raises(InvalidInput, match=field):
         Ticket.from_params(params)
+
+
+def test_staged_offsets_cross_and_default_to_none():
+    staged = Ticket("127.0.0.1:5000", "req-1", ((3, 7), (2,)), 100, 2, "abc", (4096, 8192))
+    assert Ticket.from_params(json.loads(json.dumps(staged.to_params()))) == staged
+    older = ticket().to_params()
+    del older["pdxfer"]["staged_offsets"]  # from a prefill that stages nothing
+    assert Ticket.from_params(older).staged_offsets == ()
 
 
 def test_missing_ticket_is_named():

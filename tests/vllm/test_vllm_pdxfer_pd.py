@@ -53,12 +53,13 @@ def test_pd_tokens_equal_colocated(qwen3_next_checkpoint, prefill_tp, decode_tp)
     moved = _metric(metrics, "vllm:pdxfer_bytes_transferred_sum")
     descriptors = _metric(metrics, "vllm:pdxfer_num_descriptors_sum")
     print(f"\npdxfer {prefill_tp}->{decode_tp}: {moved:.0f} B in {descriptors:.0f} descriptors")
-    # The prompt's attention blocks whole (2 KV heads, K and V, bf16) plus 3 GDN states
-    # (bf16 conv, fp32 SSM) without page padding, over all decode ranks: every byte once,
-    # whatever the TP pair, plus the few gap bytes of staged spans (a decode rank's conv
-    # channels sit between its peer's at the source).
+    # The prompt's tokens (full attention blocks whole, the partial last one's tokens from
+    # prefill's stage slots; 2 KV heads, K and V, bf16) plus 3 GDN states (bf16 conv, fp32
+    # SSM) without page padding, over all decode ranks: every byte once, whatever the TP
+    # pair, plus the few gap bytes of staged spans (a decode rank's conv channels sit
+    # between its peer's at the source).
     state = 3 * (3 * 1024 * 2 + 4 * 128 * 128 * 4)
-    expected = sum(-(-(len(p) - 1) // BLOCK) * BLOCK * 2 * 2 * 128 * 2 + state for p in PROMPTS)
+    expected = sum((len(p) - 1) * 2 * 2 * 128 * 2 + state for p in PROMPTS)
     assert expected <= moved <= expected * 1.01
     # NixlConnector: 13 descriptors per request and source.
     assert 0 < descriptors <= 13 * max(prefill_tp, decode_tp) * len(PROMPTS)

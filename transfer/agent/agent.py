@@ -238,6 +238,21 @@ class TransferAgent:
             )
         return finished
 
+    def copy_local(self, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> None:
+        """Copy now between this rank's registered memory (virtual offsets, as `post`'s
+        copies); done when this returns."""
+        self._copy(src, dst, nbytes)
+
+    def zero_local(self, offsets: np.ndarray, nbytes: np.ndarray) -> None:
+        """Zero ranges of this rank's registered regions (virtual offsets) now."""
+        region_map = self.transport.region_map
+        if region_map is None:
+            raise WrongState("agent: zeroing needs registered regions")
+        index = region_map.indices(offsets, nbytes, "zero.offsets")
+        starts = [r.start for r in region_map.regions]
+        for i, at, n in zip(index.tolist(), offsets.tolist(), nbytes.tolist(), strict=True):
+            self._regions[i][at - starts[i] : at - starts[i] + n].zero_()
+
     def _copy(self, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> None:
         """Local copies inside the registered arena, or between registered regions (in
         virtual offsets)."""

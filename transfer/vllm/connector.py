@@ -96,7 +96,7 @@ class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
         self._sched().update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        return self._sched().build_connector_meta(scheduler_output.total_num_scheduled_tokens)
+        return self._sched().build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self._sched().update_connector_output(connector_output)
@@ -145,10 +145,15 @@ class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
     ) -> None:
-        return None  # decode reads from prefill's memory: prefill saves nothing
+        return None  # decode reads from prefill's memory (partial blocks: wait_for_save)
 
     def wait_for_save(self) -> None:
-        return None
+        # After the forward: prefill gathers the partial blocks this step wrote (stage_tail).
+        if not self.has_connector_metadata():
+            return
+        metadata = self._get_connector_metadata()
+        assert isinstance(metadata, StepMetadata)
+        self._work().save_stages(metadata.stages)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self._work().get_finished(finished_req_ids)

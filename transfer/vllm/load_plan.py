@@ -18,6 +18,7 @@ import numpy as np
 from transfer.cache.explicit_layout import ExplicitLayout
 from transfer.errors import InvalidInput
 from transfer.packer import StagingPolicy, TransferRequest, plan_transfer
+from transfer.vllm.stage_tail import TailReads, tail_reads
 
 
 @dataclass(frozen=True)
@@ -35,14 +36,17 @@ class LoadReads:
     per_source: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]
     kv_bytes: int
     state_bytes: int
+    tail: TailReads | None = None  # the staged partial block, landing-relative
 
     @property
     def nbytes(self) -> int:
-        return sum(int(c[2].sum()) for c in self.per_source.values())
+        tail = self.tail.nbytes if self.tail else 0
+        return tail + sum(int(c[2].sum()) for c in self.per_source.values())
 
     @property
     def descriptors(self) -> int:
-        return sum(len(c[2]) for c in self.per_source.values())
+        tail = sum(len(c[2]) for c in self.tail.per_source.values()) if self.tail else 0
+        return tail + sum(len(c[2]) for c in self.per_source.values())
 
 
 def _blocks(ids: Sequence[int], block_size: int, num_tokens: int, field: str) -> tuple[int, ...]:
@@ -62,11 +66,14 @@ def plan_load(
     src_block_ids: Sequence[Sequence[int]],
     dst_block_ids: Sequence[Sequence[int]],
     num_tokens: int,
+    staged_offsets: Sequence[int] = (),
 ) -> LoadReads:
     """The reads of `decode_rank` for the KV blocks holding `num_tokens` tokens (whole
     blocks: see below) and every linear layer's state without its page padding (a mamba
-    group's last block id is its state block). Raises InvalidInput naming what does not
-    fit."""
+    group's last block id is its state block). With `staged_offsets` (per prefill rank, its
+    stage slot holding the partial last block's tokens, `stage_tail`), the full blocks
+    cross whole and the last one's tokens from the slots. Raises InvalidInput naming what
+    does not fit."""
     for field, ids in (("ticket block_ids", src_block_ids), ("decode block_ids", dst_block_ids)):
         if len(ids) != len(groups):
             raise InvalidInput(f"{field}: {len(ids)} groups, this model has {len(groups)}")
@@ -90,6 +97,13 @@ def plan_load(
     # so the other group's ids stand in where this group has none.
     filler_src = kv_src or tuple(range(p0.blocks_for(num_tokens)))
     filler_dst = kv_dst or tuple(range(d0.blocks_for(num_tokens)))
+    partial = num_tokens % p0.block_size
+    tail = None
+    if staged_offsets and partial:
+        if sum(g.is_attention for g in groups) != 1:
+            raise InvalidInput("ticket staged_offsets: only one attention group may be staged")
+        assert kv_dst is not None
+        tail = tail_reads(prefill, decode[decode_rank], staged_offsets, kv_dst[-1], partial)
     parts: dict[int, list] = defaultdict(list)
     kv_bytes = state_bytes = 0
     for i, (group, src, dst) in enumerate(zip(groups, src_block_ids, dst_block_ids, strict=True)):
@@ -97,6 +111,10 @@ def plan_load(
         if group.is_attention:
             s_blocks = _blocks(src, p0.block_size, num_tokens, f"ticket block_ids[{i}]")
             d_blocks = _blocks(dst, d0.block_size, num_tokens, f"decode block_ids[{i}]")
+            if tail is not None:  # the last block's tokens come from the stage slots
+                s_blocks, d_blocks = s_blocks[:-1], d_blocks[:-1]
+                if not s_blocks:
+                    continue
             s_slots, d_slots = slot_src or (0,), slot_dst or (0,)
             # vLLM's CPU attention keeps a block's K dim-major ([head_dim][block_size]) and
             # its V token-major: a token's K is not one run. The blocks cross whole (every
@@ -121,4 +139,6 @@ def plan_load(
         rank: tuple(np.concatenate(c) for c in zip(*chunks, strict=True))
         for rank, chunks in sorted(parts.items())
     }
-    return LoadReads(per_source, kv_bytes, state_bytes)
+    if tail is not None:
+        kv_bytes += tail.nbytes
+    return LoadReads(per_source, kv_bytes, state_bytes, tail)

@@ -27,12 +27,27 @@ class RankHandshake(KVConnectorHandshakeMetadata):
 
     layout: the rank's `Layout.to_dict()`, offsets over the registered regions.
     agent_metadata: the transport's opaque metadata (`Transport.register`).
+    stage_start / stage_slot_bytes: the rank's stage slots (`stage_tail`), slot `s` at
+    `stage_start + s * stage_slot_bytes`; slot bytes 0: this rank stages nothing.
     """
 
     tp_rank: int
     tp_size: int
     layout: dict
     agent_metadata: bytes
+    stage_start: int = 0
+    stage_slot_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """Prefill: gather the first `tokens` tokens of attention block `block` into stage slot
+    `slot` once this step's forward has written them."""
+
+    request_id: str
+    block: int
+    tokens: int
+    slot: int
 
 
 @dataclass(frozen=True)
@@ -56,7 +71,9 @@ class StepMetadata(KVConnectorMetadata):
     loads: requests whose reads start now (decode).
     released: request ids whose prefill blocks decode released or whose lease lapsed; each
         worker reports them back as finished sending, and vLLM then frees the blocks.
+    stages: prefill's partial last blocks to gather after this step's forward.
     """
 
     loads: list[LoadSpec] = field(default_factory=list)
     released: list[str] = field(default_factory=list)
+    stages: list[StageSpec] = field(default_factory=list)

@@ -23,6 +23,7 @@ from transfer.vllm.stats import PdxferStats
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
@@ -96,11 +97,16 @@ class ConnectorScheduler:
     ) -> None:
         self.decode.update_state_after_alloc(request, blocks, num_external_tokens)
 
-    def build_connector_meta(self, num_scheduled_tokens: int) -> StepMetadata:
-        """The step's orders to the workers; `num_scheduled_tokens`: vLLM's for this step."""
-        if num_scheduled_tokens == 0 and self.decode.idle() and self.prefill.only_holding():
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> StepMetadata:
+        """The step's orders to the workers: loads, releases and tail stages."""
+        idle = scheduler_output.total_num_scheduled_tokens == 0
+        if idle and self.decode.idle() and self.prefill.only_holding():
             time.sleep(IDLE_HOLD_PAUSE_S)
-        return StepMetadata(loads=self.decode.take_loads(), released=self.prefill.take_released())
+        return StepMetadata(
+            loads=self.decode.take_loads(),
+            released=self.prefill.take_released(),
+            stages=self.prefill.plan_stages(scheduler_output),
+        )
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         self.decode.on_finished_recving(

@@ -73,6 +73,11 @@ class TransferGroups:
     def __len__(self) -> int:
         return len(self._groups)
 
+    @property
+    def num_attention(self) -> int:
+        """How many transfer groups page tokens."""
+        return sum(g.is_attention for g in self._groups)
+
     def clip(
         self, all_group_block_ids: Sequence[Sequence[int]], num_tokens: int
     ) -> tuple[tuple[int, ...], ...]:

@@ -6,6 +6,11 @@ A request sent with `kv_transfer_params: {"do_remote_decode": true}` is cut by i
 token on arrival (decode recomputes it: a recurrent state is not idempotent, docs/bugs.md #12),
 so the cache it keeps covers exactly the tokens decode loads. When it finishes, its blocks stay
 allocated under a TicketStore lease and its response carries the pdxfer ticket.
+
+A prompt that ends inside an attention block gets a stage slot in the step that computes its
+last tokens: the workers gather that block's tokens into the slot after the forward
+(`stage_tail`), before vLLM sees the request finish, so the ticket's slots are complete
+when decode reads them. The slot is freed with the ticket.
 """
 
 from __future__ import annotations
@@ -28,12 +33,14 @@ from transfer.control.types import (
 from transfer.control.types import Ticket as StoreTicket
 from transfer.errors import InvalidInput
 from transfer.vllm.config import PdxferConfig
-from transfer.vllm.metadata import RankHandshake
+from transfer.vllm.metadata import RankHandshake, StageSpec
 from transfer.vllm.scheduler_groups import TransferGroups
+from transfer.vllm.stage_tail import STAGE_SLOTS
 from transfer.vllm.stats import PdxferStats
 from transfer.vllm.ticket import Ticket
 
 if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
@@ -77,6 +84,13 @@ class PrefillSide:
         self._free_slots = list(range(num_blocks - 1, -1, -1))
         self._released: list[str] = []
         self._server: ControlServer | None = None
+        # Tail staging: every rank's (stage_start, slot bytes); () when some rank has none.
+        self._stage_ranks: tuple[tuple[int, int], ...] = ()
+        self._stage_free = list(range(STAGE_SLOTS - 1, -1, -1))
+        self._tracked: dict[str, Request] = {}  # truncated prefills not finished yet
+        self._block_ids: dict[str, list[list[int]]] = {}  # their block ids per vLLM group
+        self._staging: dict[str, tuple[int, int]] = {}  # request -> (slot, num_tokens)
+        self._stage_held: dict[str, int] = {}  # published request -> slot
 
     @property
     def address(self) -> str | None:
@@ -99,6 +113,9 @@ class PrefillSide:
         )
         if self._server is not None:
             raise InvalidInput("handshake metadata: set twice")
+        stage = tuple((handshakes[r].stage_start, handshakes[r].stage_slot_bytes) for r in ranks)
+        if self._groups.num_attention == 1 and all(size > 0 for _, size in stage):
+            self._stage_ranks = stage
         address = f"{self._config.control_host}:{self._config.control_port}"
         self.store.start()
         self._server = serve(
@@ -121,11 +138,77 @@ class PrefillSide:
         request.num_prompt_tokens -= 1
         request.max_tokens = 1
         params[TRUNCATED] = True
+        self._tracked[request.request_id] = request
+
+    def plan_stages(self, output: SchedulerOutput) -> list[StageSpec]:
+        """The partial last blocks whose tokens this step computes (see the module doc)."""
+        for new in output.scheduled_new_reqs:
+            if new.req_id in self._tracked:
+                self._block_ids[new.req_id] = [list(ids) for ids in new.block_ids]
+        cached = output.scheduled_cached_reqs
+        for req_id, added in zip(cached.req_ids, cached.new_block_ids, strict=True):
+            if req_id not in self._tracked or added is None:
+                continue
+            if req_id in cached.resumed_req_ids or req_id not in self._block_ids:
+                self._block_ids[req_id] = [list(ids) for ids in added]
+            else:
+                for ids, more in zip(self._block_ids[req_id], added, strict=True):
+                    ids.extend(more)
+        stages = []
+        for req_id, scheduled in output.num_scheduled_tokens.items():
+            request = self._tracked.get(req_id)
+            if request is None or req_id in self._staging or not self._stage_ranks:
+                continue
+            num_tokens = request.num_prompt_tokens
+            partial = num_tokens % self._groups.block_size
+            if not partial or request.num_computed_tokens + scheduled < num_tokens:
+                continue
+            with self._lock:
+                slot = self._stage_free.pop() if self._stage_free else None
+            if slot is None:
+                continue  # the whole last block crosses
+            clipped = self._groups.clip(self._block_ids.get(req_id, []), num_tokens)
+            block = self._groups.ticket_blocks(clipped)[-1]
+            self._staging[req_id] = (slot, num_tokens)
+            stages.append(StageSpec(req_id, block, partial, slot))
+        return stages
+
+    def _staged_offsets(self, request_id: str, num_tokens: int) -> tuple[int, tuple[int, ...]]:
+        """The request's stage slot and its offsets per rank, (-1, ()) when none holds its
+        `num_tokens` (the slot, if any, is freed)."""
+        slot, staged_tokens = self._staging.pop(request_id, (-1, 0))
+        if slot >= 0 and staged_tokens != num_tokens:
+            self._free_stage(slot)
+            slot = -1
+        if slot < 0:
+            return -1, ()
+        return slot, tuple(start + slot * size for start, size in self._stage_ranks)
+
+    def _free_stage(self, slot: int) -> None:
+        with self._lock:
+            self._stage_free.append(slot)
 
     def request_finished(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         """Publish a finished prefill; True keeps its blocks until decode releases them."""
+        self._tracked.pop(request.request_id, None)
+        self._block_ids.pop(request.request_id, None)
+        stage_slot, staged_offsets = self._staged_offsets(
+            request.request_id, request.num_computed_tokens
+        )
+        kept, params = self._publish(request, block_ids, staged_offsets)
+        if stage_slot >= 0:
+            if kept:  # published with the slot: freed with the ticket
+                with self._lock:
+                    self._stage_held[request.request_id] = stage_slot
+            else:
+                self._free_stage(stage_slot)
+        return kept, params
+
+    def _publish(
+        self, request: Request, block_ids: tuple[list[int], ...], staged_offsets: tuple[int, ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
         params = request.kv_transfer_params
         if not params or not params.get(DO_REMOTE_DECODE):
             return False, None
@@ -172,6 +255,7 @@ class PrefillSide:
             num_tokens=num_tokens,
             tp_size=self._tp_size,
             compat_hash=compat_hash(self._compat),
+            staged_offsets=staged_offsets,
         )
         # do_remote_prefill / do_remote_decode: the keys vLLM's proxies route on.
         return True, {**ticket.to_params(), "do_remote_prefill": True, DO_REMOTE_DECODE: False}
@@ -204,6 +288,9 @@ class PrefillSide:
         with self._lock:
             self._released.append(ticket.request_id)
             self._free_slots.append(ticket.slot_id)
+            stage_slot = self._stage_held.pop(ticket.request_id, None)
+            if stage_slot is not None:
+                self._stage_free.append(stage_slot)
         if reason is FreeReason.EXPIRED:
             with self._stats_lock:
                 self._stats.record_expired_leases(1)

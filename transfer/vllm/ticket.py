@@ -21,6 +21,9 @@ class Ticket:
 
     block_ids: per vLLM KV-cache group, the prefill side's block ids (attention groups hold
     one id per block of prompt tokens; mamba groups hold the state block).
+    staged_offsets: per prefill TP rank, the stage slot (virtual offset) holding the partial
+    last attention block's tokens (`transfer/vllm/stage_tail.py`); () when that block
+    crosses whole.
     """
 
     control_address: str
@@ -29,6 +32,7 @@ class Ticket:
     num_tokens: int
     tp_size: int
     compat_hash: str
+    staged_offsets: tuple[int, ...] = ()
 
     def to_params(self) -> dict[str, Any]:
         """The `kv_transfer_params` a prefill response carries."""
@@ -40,6 +44,7 @@ class Ticket:
                 "num_tokens": self.num_tokens,
                 "tp_size": self.tp_size,
                 "compat_hash": self.compat_hash,
+                "staged_offsets": list(self.staged_offsets),
             }
         }
 
@@ -68,6 +73,18 @@ class Ticket:
                 raise InvalidInput(
                     f"kv_transfer_params.{PARAMS_KEY}.block_ids[{i}]: not a list of block ids"
                 )
+        staged = body.get("staged_offsets", [])
+        if not isinstance(staged, list) or not all(
+            isinstance(o, int) and not isinstance(o, bool) and o >= 0 for o in staged
+        ):
+            raise InvalidInput(
+                f"kv_transfer_params.{PARAMS_KEY}.staged_offsets: not a list of offsets"
+            )
+        if staged and len(staged) != body["tp_size"]:
+            raise InvalidInput(
+                f"kv_transfer_params.{PARAMS_KEY}.staged_offsets: {len(staged)} offsets for "
+                f"tp_size {body['tp_size']}"
+            )
         return cls(
             control_address=body["control_address"],
             request_id=body["request_id"],
@@ -75,4 +92,5 @@ class Ticket:
             num_tokens=body["num_tokens"],
             tp_size=body["tp_size"],
             compat_hash=body["compat_hash"],
+            staged_offsets=tuple(staged),
         )

@@ -15,6 +15,7 @@ import json
 import logging
 import uuid
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,8 @@ from transfer.presets import from_hf_config, from_hf_dict
 from transfer.vllm.config import PdxferConfig, compat_fields
 from transfer.vllm.layout_vllm import STATE_ORDER_DS, STATE_ORDER_SD, VllmMemory, describe
 from transfer.vllm.load_plan import CacheGroup, plan_load
-from transfer.vllm.metadata import LoadSpec, RankHandshake, StepMetadata
+from transfer.vllm.metadata import LoadSpec, RankHandshake, StageSpec, StepMetadata
+from transfer.vllm.stage_tail import STAGE_SLOTS, gather_copies, slot_bytes
 from transfer.vllm.stats import PdxferStats
 
 logger = logging.getLogger(__name__)
@@ -122,6 +124,9 @@ class ConnectorWorker:
         self._staging = torch.empty(0, dtype=torch.uint8)
         self._staging_start = 0
         self._staging_held: dict[str, tuple[int, int]] = {}  # request -> (offset, bytes)
+        self._stage_out = torch.empty(0, dtype=torch.uint8)  # prefill's stage slots
+        self._stage_start = 0
+        self._stage_slot_bytes = 0
         self.stats = PdxferStats()
 
     # ---- start-up -----------------------------------------------------------------------
@@ -140,12 +145,24 @@ class ConnectorWorker:
             self.config.transport.value, f"pdxfer-vllm-{self.rank}-{uuid.uuid4().hex[:8]}"
         )
         self.agent = TransferAgent(transport)
-        self._staging = torch.zeros(STAGING_BYTES, dtype=torch.uint8, device=regions[0].device)
-        metadata = self.agent.register([*regions, self._staging])
-        assert self.agent.transport.region_map is not None
-        self._staging_start = self.agent.transport.region_map.regions[-1].start
+        device = regions[0].device
+        self._staging = torch.zeros(STAGING_BYTES, dtype=torch.uint8, device=device)
+        self._stage_slot_bytes = slot_bytes(self.layouts[self.rank])
+        self._stage_out = torch.zeros(
+            max(1, STAGE_SLOTS * self._stage_slot_bytes), dtype=torch.uint8, device=device
+        )
+        metadata = self.agent.register([*regions, self._staging, self._stage_out])
+        region_map = self.agent.transport.region_map
+        assert region_map is not None
+        self._staging_start = region_map.regions[-2].start
+        self._stage_start = region_map.regions[-1].start
         self._handshake = RankHandshake(
-            self.rank, self.tp, self.layouts[self.rank].to_dict(), metadata
+            self.rank,
+            self.tp,
+            self.layouts[self.rank].to_dict(),
+            metadata,
+            self._stage_start,
+            self._stage_slot_bytes,
         )
         logger.info(
             "pdxfer: rank %d/%d registered %d region(s), %d B virtual; block size %d, "
@@ -177,6 +194,16 @@ class ConnectorWorker:
             self._loads[load.request_id] = load
             assert self.agent is not None
             self.agent.post(load.request_id, reads, copies)
+
+    def save_stages(self, stages: list[StageSpec]) -> None:
+        """Prefill, after the forward: gather each partial last block into its stage slot."""
+        if not stages:
+            return
+        assert self.agent is not None
+        for stage in stages:
+            at = self._stage_start + stage.slot * self._stage_slot_bytes
+            copies = gather_copies(self.layouts[self.rank], stage.block, stage.tokens, at)
+            self.agent.copy_local(*copies)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         results = self.get_transfer_results(finished_req_ids)
@@ -247,9 +274,12 @@ class ConnectorWorker:
         return peer
 
     def _plan(self, load: LoadSpec) -> tuple[list[PeerReads], tuple | None]:
-        """The load's reads, small neighbouring ranges staged when staging has room."""
+        """The load's reads, small neighbouring ranges staged when staging has room. A
+        staged tail (the partial last block, `stage_tail`) lands in staging too; without
+        room for all of it, that block crosses whole."""
         peer = self._peer(load.ticket.control_address)
-        reads = plan_load(
+        plan = partial(
+            plan_load,
             self.groups,
             peer.layouts,
             self.layouts,
@@ -258,9 +288,15 @@ class ConnectorWorker:
             load.block_ids,
             load.num_tokens,
         )
+        reads = plan(load.ticket.staged_offsets)
         sources = list(reads.per_source.items())
         sizes = [stage_small(dst, src, n, 0).staging_bytes for _, (src, dst, n) in sources]
-        offset = self._hold_staging(load.request_id, sum(sizes)) if sum(sizes) else None
+        tail_bytes = reads.tail.nbytes if reads.tail is not None else 0
+        total = sum(sizes) + tail_bytes
+        offset = self._hold_staging(load.request_id, total) if total else None
+        if offset is None and reads.tail is not None:
+            reads = plan(())
+            sources = list(reads.per_source.items())
         if offset is None:
             direct = [
                 PeerReads(peer.agents[p], RangeBatch(dst, src, n)) for p, (src, dst, n) in sources
@@ -268,6 +304,14 @@ class ConnectorWorker:
             return direct, None
         posted, copies = [], []
         base = self._staging_start + offset
+        if reads.tail is not None:
+            assert self.agent is not None
+            self.agent.zero_local(*reads.tail.clear)  # before anything of the load lands
+            tail_sources, tail_copies = reads.tail.shifted(base)
+            base += tail_bytes
+            for p, (src, dst, n) in tail_sources.items():
+                posted.append(PeerReads(peer.agents[p], RangeBatch(dst, src, n)))
+            copies.append(tail_copies)
         for (p, (src, dst, n)), size in zip(sources, sizes, strict=True):
             staged = stage_small(dst, src, n, base)
             base += size
