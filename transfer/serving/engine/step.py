@@ -31,7 +31,7 @@ class EngineStep(RankCommand[tuple]):
     commands: tuple[RankCommand, ...]
 
     def apply(self, worker: Any) -> tuple:
-        rank = worker.spec.rank
+        rank = getattr(getattr(worker, "spec", None), "rank", 0)
         results: list[Any] = []
         for command in self.commands:
             try:

@@ -1,0 +1,67 @@
+"""The decode engine on a real prefill/decode pair (tiny model, ranks in real processes):
+who shares a decode step, counted by the engine's own step counters, never by the clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support.worker_sides import one_thread, prompt, start_decode, start_prefill  # noqa: F401
+from transfer.control.types import DecodeRequest, PrefillRequest
+from transfer.model.reference import reference_generate
+from transfer.presets import get_preset
+from transfer.serving.engine.request import DecodePhase
+from transfer.serving.instance import InstanceConfig
+
+pytestmark = pytest.mark.slow
+
+MODEL = "tiny-qwen3-next"
+MAX_TOKENS = 9
+NAMES = ("a", "b", "c")
+
+
+def config(role: str) -> InstanceConfig:
+    return InstanceConfig(role, get_preset(MODEL), budget_bytes=16 << 20, max_seqs=4)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    prefill = start_prefill(config("prefill"), "prefill-engine")
+    decode = start_decode(config("decode"), "decode-engine", [prefill])
+    yield prefill, decode
+    decode.close()
+    prefill.close()
+
+
+def start_together(engine, names) -> None:
+    """Let the named requests start decoding in one engine job, so one step sees them all."""
+
+    def ready() -> None:
+        for request in engine.active:
+            if request.request_id in names:
+                request.consumer_ready = True
+
+    engine.call_soon(ready)
+
+
+def test_running_requests_share_every_decode_step(pair):
+    prefill, decode = pair
+    engine, geometry = decode.worker.engine, get_preset(MODEL)
+    ids = {name: prompt(40 + i) for i, name in enumerate(NAMES)}
+    streams = {
+        name: iter(decode.worker.decode(DecodeRequest(
+            prefill.worker.prefill(PrefillRequest(name, tuple(p), MAX_TOKENS)), MAX_TOKENS)))
+        for name, p in ids.items()
+    }  # fmt: skip
+    firsts = {name: next(stream).token for name, stream in streams.items()}
+    # token 0 is the transfer's: no step ran for a request whose consumer did not ask on
+    before = engine.decode_steps
+    running = [r for r in engine.active if r.request_id in NAMES]
+    assert {r.phase for r in running} == {DecodePhase.RUNNING}
+    assert all(r.scheduled == 0 for r in running)
+    start_together(engine, set(NAMES))
+    tokens = {name: [firsts[name]] + [e.token for e in s] for name, s in streams.items()}
+    for name in NAMES:
+        assert tokens[name] == reference_generate(geometry, ids[name], MAX_TOKENS), name
+    # Together from their first step to their last: one decode step per token after token 0.
+    assert engine.decode_steps - before == MAX_TOKENS - 1
+    assert decode.instance.pools.slots.num_free == decode.instance.pools.slots.num_total
