@@ -3,9 +3,14 @@ who shares a decode step, counted by the engine's own step counters, never by th
 
 from __future__ import annotations
 
+import threading
+from dataclasses import replace
+
 import pytest
 
 from tests.support.worker_sides import one_thread, prompt, start_decode, start_prefill  # noqa: F401
+from transfer.control.client import DecodeClient
+from transfer.control.errors import ControlError
 from transfer.control.types import DecodeRequest, PrefillRequest
 from transfer.model.reference import reference_generate
 from transfer.presets import get_preset
@@ -65,3 +70,32 @@ def test_running_requests_share_every_decode_step(pair):
     # Together from their first step to their last: one decode step per token after token 0.
     assert engine.decode_steps - before == MAX_TOKENS - 1
     assert decode.instance.pools.slots.num_free == decode.instance.pools.slots.num_total
+
+
+def test_decode_many_streams_come_from_the_engine_a_step_at_a_time(pair):
+    """Over DecodeMany the engine hands a step's events over itself (no thread per decode);
+    each stream still gets exactly its own tokens, and an unknown prefill ends only its own."""
+    prefill, decode = pair
+    geometry = get_preset(MODEL)
+    ids = {f"many-{i}": prompt(60 + i) for i in range(3)}
+    tickets = {
+        name: prefill.worker.prefill(PrefillRequest(name, tuple(p), MAX_TOKENS))
+        for name, p in ids.items()
+    }
+    client = DecodeClient(decode.address, timeout_s=60.0)
+    try:
+        streams = {n: client.decode(DecodeRequest(t, MAX_TOKENS)) for n, t in tickets.items()}
+        bad = replace(tickets["many-0"], request_id="stray", address="127.0.0.1:1")
+        with pytest.raises(ControlError) as refused:
+            list(client.decode(DecodeRequest(bad, MAX_TOKENS)))
+        assert refused.value.code == "PERMISSION_DENIED"
+        for name, stream in streams.items():
+            events = list(stream)
+            assert [e.index for e in events] == list(range(MAX_TOKENS)) and events[-1].finished
+            tokens = [e.token for e in events]
+            assert tokens == reference_generate(geometry, ids[name], MAX_TOKENS), name
+    finally:
+        client.close()
+    pools = decode.instance.pools
+    assert pools.slots.num_free == pools.slots.num_total
+    assert not any(t.name.startswith("decode-many-") for t in threading.enumerate())

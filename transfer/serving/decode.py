@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from transfer.cache.layout import Layout
 from transfer.control.client import ClientOptions, TransferClient
@@ -143,6 +143,13 @@ class DecodeWorker:
                 if not submitted.released.wait(RELEASE_WAIT_S):
                     logger.warning("request %r: its cache was not back within %gs",
                                    submitted.request_id, RELEASE_WAIT_S)  # fmt: skip
+
+    def start_decode(self, request: DecodeRequest, sink, tag) -> Callable[[], None]:
+        """DecodeMany's way in: the engine hands `sink` each step's events of every request
+        started with it, `[(tag, TokenEvent | exception | None at the end)]`, in one call.
+        Returns the request's cancel."""
+        submitted = self.engine.submit(request, sink, tag)
+        return lambda: self.engine.cancel(submitted)
 
     def held_requests(self) -> list[str]:
         """Requests whose cache is held until their failed READs settle."""

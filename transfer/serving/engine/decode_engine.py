@@ -78,15 +78,19 @@ class DecodeEngine:
         self.steps = 0  # steps sent: tests and metrics count in steps, not seconds
         self.decode_steps = 0  # of those, steps that carried a decode batch
         self._last_answer_at = 0.0
+        self._outgoing: dict[object, list] = {}  # sink -> this step's items for it
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="decode-engine", daemon=True)
         self._thread.start()
 
     # -- called from other threads --------------------------------------------------------
 
-    def submit(self, decode: DecodeRequest) -> Request:
-        """Start `decode`; its events arrive on the returned request's `out`."""
-        request = Request(decode)
+    def submit(self, decode: DecodeRequest, sink=None, tag=None) -> Request:
+        """Start `decode`; its events arrive on the returned request's `out`, or, with a
+        `sink`, as `sink([(tag, item), ...])` once per step (`Request.sink`)."""
+        request = Request(decode, sink=sink, sink_tag=tag)
+        if sink is not None:
+            request.consumer_ready = True  # a sink takes every event as it comes
         if self._closed:
             raise Closed("decode engine: the instance is shutting down")
         self._new.put(request)
@@ -128,6 +132,7 @@ class DecodeEngine:
         try:
             while not self._closed:
                 self._intake()
+                self._flush()
                 plan = self._build_step() if len(self._sent) < PIPELINE_DEPTH else None
                 if plan:
                     self._send(plan)
@@ -136,6 +141,7 @@ class DecodeEngine:
                 if self._sent:
                     self._sent.popleft().answer(STEP_TIMEOUT_S)
                     self._after_answer()
+                    self._flush()  # the step's events: one batch per sink
                 elif not plan:
                     self._wake.wait(self._idle_wait())
                     self._wake.clear()
@@ -237,6 +243,22 @@ class DecodeEngine:
     def _after_answer(self) -> None:
         self._deliver_finished()
 
+    def emit(self, request: Request, item) -> None:
+        """Hand `item` (a TokenEvent, END or an exception) to the request's consumer."""
+        if request.sink is None:
+            request.out.put(item)
+        else:
+            tagged = (request.sink_tag, None if item is END else item)
+            self._outgoing.setdefault(request.sink, []).append(tagged)
+
+    def _flush(self) -> None:
+        outgoing, self._outgoing = self._outgoing, {}
+        for sink, items in outgoing.items():
+            try:
+                sink(items)
+            except Exception:  # noqa: BLE001 - one consumer's bug must not stop the engine
+                logger.exception("decode engine: a sink failed")
+
     # -- answers --------------------------------------------------------------------------
 
     def on_poll(self, request: Request, answer: Answer) -> None:
@@ -329,8 +351,8 @@ class DecodeEngine:
                 continue
             index = request.delivered
             last = index == request.last_index
-            request.out.put(TokenEvent(request.request_id, pick.token, index, finished=last,
-                                       logprob=pick.logprob))  # fmt: skip
+            self.emit(request, TokenEvent(request.request_id, pick.token, index,
+                                          finished=last, logprob=pick.logprob))  # fmt: skip
             if last:
                 self.finish(request, None)
 
@@ -357,7 +379,7 @@ class DecodeEngine:
             self._finishing.remove(request)
             if request in self.active:
                 self.active.remove(request)
-            request.out.put(request.error if request.error is not None else END)
+            self.emit(request, request.error if request.error is not None else END)
 
     def _on_peer_event(self, event: PeerEvent) -> None:
         self.setup.on_event(event)
@@ -377,17 +399,16 @@ class DecodeEngine:
         for sent in list(self._sent):
             sent.answer(STEP_TIMEOUT_S)
         self._sent.clear()
-        for request in list(self.active):
-            request.out.put(Closed("decode engine: the instance is shutting down"))
-            request.released.set()
-        self.active.clear()
         while True:
             try:
-                request = self._new.get_nowait()
+                self.active.append(self._new.get_nowait())
             except queue.Empty:
                 break
-            request.out.put(Closed("decode engine: the instance is shutting down"))
+        for request in self.active:
+            self.emit(request, Closed("decode engine: the instance is shutting down"))
             request.released.set()
+        self.active.clear()
+        self._flush()
 
 
 def _all_true(answer: Answer) -> bool:

@@ -234,7 +234,7 @@ class DecodeSetup:
             return
         ticket, transfer = request.ticket, request.transfer
         request.last_token = transfer.first_token
-        request.out.put(TokenEvent(
+        engine.emit(request, TokenEvent(
             request.request_id, transfer.first_token, 0, finished=request.max_tokens == 1,
             ttft_ms=(time.perf_counter() - request.arrived) * 1e3,
             transfer_ms=transfer.seconds * 1e3, kv_bytes=transfer.kv_bytes,

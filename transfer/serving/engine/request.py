@@ -45,7 +45,8 @@ class Request:
 
     It owns what it takes: `blocks` and `slot` (allocated by the cache manager), its staging
     extent (keyed by `request_id` in the staging pool), the acquired `ticket`, and `out`, the
-    queue its handler drains: TokenEvents, then `END` or the exception that ended it.
+    queue its handler drains: TokenEvents, then `END` or the exception that ended it (or
+    `sink`, which gets them a step at a time).
     """
 
     decode: DecodeRequest
@@ -73,6 +74,10 @@ class Request:
     consumer_ready: bool = False
     waited_since: float = 0.0  # when it started waiting for room (time.monotonic())
     out: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    # Instead of `out`: called on the engine thread with each step's [(sink_tag, item)] of
+    # every request sharing the sink (item: a TokenEvent, the error, or None at the end).
+    sink: Any = None
+    sink_tag: Any = None
     released: threading.Event = field(default_factory=threading.Event)  # no step touches it
 
     @property
