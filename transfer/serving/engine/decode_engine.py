@@ -31,7 +31,7 @@ from transfer.control.peer_client import PeerClient, PeerEvent
 from transfer.control.types import DecodeRequest, TokenEvent
 from transfer.errors import Cancelled, Closed, PdxferError, TransferFailed
 from transfer.serving.commands import DecodeBatch, DecodeStep, TransferPoll
-from transfer.serving.engine.cache_manager import CacheManager
+from transfer.serving.engine.cache_manager import SETTLE_POLL_S, CacheManager
 from transfer.serving.engine.decode_setup import DecodeSetup
 from transfer.serving.engine.request import END, DecodePhase, Request
 from transfer.serving.engine.step import Answer, EngineStep, SentStep, StepPlan
@@ -176,6 +176,8 @@ class DecodeEngine:
             return 0.0005
         if self.cache.waiting or self.cache.busy or self._pending_commands:
             return 0.005
+        if self.cache.held:
+            return SETTLE_POLL_S / 5
         return IDLE_WAIT_S
 
     def _advance(self, request: Request, now: float) -> None:
@@ -217,7 +219,7 @@ class DecodeEngine:
             steps = tuple(self._next_decode_step(r) for r in batch)
             for request in batch:
                 request.scheduled += 1
-            plan.add(DecodeBatch(steps), lambda a, b=batch: self._on_picks(b, a))
+            plan.add(DecodeBatch(steps), lambda a, b=batch, p=plan: self._on_picks(b, a, p.sent_at))
             plan.decode_batch = len(batch)
         return plan
 
@@ -235,6 +237,7 @@ class DecodeEngine:
             for handler in plan.handlers:
                 handler(exc)
             return
+        plan.sent_at = time.perf_counter()
         self.steps += 1
         if plan.decode_batch:
             self.decode_steps += 1
@@ -326,7 +329,7 @@ class DecodeEngine:
             request.error = TransferFailed(failure, settled=settled)
         self.cache.ended(request, settled)
 
-    def _on_picks(self, batch: list[Request], answer: Answer) -> None:
+    def _on_picks(self, batch: list[Request], answer: Answer, sent_at: float) -> None:
         now = time.perf_counter()
         if isinstance(answer, BaseException):
             for request in batch:
@@ -340,9 +343,8 @@ class DecodeEngine:
                 self.finish(request, exc)
             return
         if self.metrics is not None:  # the step ran from when it was sent or the last answer
-            sent_at = self._sent[0].sent_at if self._sent else now
-            self.metrics.record_decode_step(len(batch), now - max(self._last_answer_at,
-                                                                  min(sent_at, now)))  # fmt: skip
+            began = max(self._last_answer_at, sent_at)
+            self.metrics.record_decode_step(len(batch), max(0.0, now - began))
         self._last_answer_at = now
         for request, pick in zip(batch, picks, strict=True):
             request.delivered += 1

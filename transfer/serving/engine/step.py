@@ -9,7 +9,6 @@ later command of the same step) reuses it, and no command needs to overtake anot
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -61,6 +60,7 @@ class StepPlan:
     commands: list[RankCommand] = field(default_factory=list)
     handlers: list[Handler] = field(default_factory=list)
     decode_batch: int = 0  # requests in its decode batch
+    sent_at: float = 0.0  # time.perf_counter() when it went to the ranks
 
     def add(self, command: RankCommand, handler: Handler | None = None) -> None:
         self.commands.append(command)
@@ -74,7 +74,6 @@ class StepPlan:
 class SentStep:
     plan: StepPlan
     pending: Pending
-    sent_at: float = field(default_factory=time.perf_counter)
 
     def answer(self, timeout_s: float) -> None:
         """Wait for the step's answer and run each command's handler."""
