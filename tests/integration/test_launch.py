@@ -19,7 +19,7 @@ import pytest
 
 from tests.support.launch import MAIN, ROOT, assert_no_leftovers
 from transfer.presets import get_preset
-from transfer.serving.procs import LAUNCH_ID_ENV
+from transfer.serving.launch.procs import LAUNCH_ID_ENV
 from transfer.sizing import CacheDtypes, attention_kv_bytes_per_token, linear_state_bytes
 
 pytestmark = pytest.mark.slow

@@ -12,8 +12,8 @@ import uuid
 
 import pytest
 
-from tests.support.launch import MAIN, ROOT, assert_no_leftovers
-from transfer.serving.procs import LAUNCH_ID_ENV, processes_with_env
+from tests.support.launch import MAIN, ROOT, assert_no_leftovers, processes_with_env
+from transfer.serving.launch.procs import LAUNCH_ID_ENV
 
 pytestmark = pytest.mark.slow
 

@@ -14,9 +14,10 @@ import httpx
 import pytest
 
 from tests.integration.test_tp_rendezvous import listeners
+from tests.support.launch import processes_with_env
 from tests.support.up_process import up_process
-from transfer.serving.procs import LAUNCH_ID_ENV, processes_with_env
-from transfer.serving.ranks import HEARTBEAT_WINDOW_S
+from transfer.serving.launch.procs import LAUNCH_ID_ENV
+from transfer.serving.ranks.ranks import HEARTBEAT_WINDOW_S
 
 pytestmark = pytest.mark.slow
 

@@ -14,8 +14,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.support.launch import processes_with_env
 from tests.support.up_process import up_process
-from transfer.serving.procs import LAUNCH_ID_ENV, processes_with_env
+from transfer.serving.launch.procs import LAUNCH_ID_ENV
 
 pytestmark = pytest.mark.slow
 

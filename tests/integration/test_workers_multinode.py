@@ -9,15 +9,15 @@ import uuid
 
 import pytest
 
+from tests.support.launch import processes_with_env
 from transfer.control.client import RouterClient
 from transfer.control.types import GenerateRequest
 from transfer.model.reference import reference_generate
 from transfer.net import free_port
 from transfer.presets import get_preset
-from transfer.serving.procs import (
+from transfer.serving.launch.procs import (
     LAUNCH_ID_ENV,
     check_health,
-    processes_with_env,
     start_serve,
     stop_all,
     wait_ready,

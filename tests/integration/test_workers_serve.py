@@ -15,6 +15,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from tests.support.launch import processes_with_env
 from transfer.control.auth import TlsConfig
 from transfer.control.client import RouterClient
 from transfer.control.errors import ControlError
@@ -22,9 +23,8 @@ from transfer.control.types import GenerateRequest
 from transfer.model.reference import reference_generate
 from transfer.net import free_port
 from transfer.presets import get_preset
-from transfer.serving.procs import (
+from transfer.serving.launch.procs import (
     LAUNCH_ID_ENV,
-    processes_with_env,
     start_serve,
     stop_all,
     wait_ready,

@@ -30,8 +30,8 @@ from transfer.control.errors import ControlError
 from transfer.control.types import GenerateRequest
 from transfer.model.reference import reference_generate
 from transfer.presets import get_preset
-from transfer.serving.local import LocalPair, LocalPairConfig
-from transfer.serving.procs import LAUNCH_ID_ENV
+from transfer.serving.launch.local import LocalPair, LocalPairConfig
+from transfer.serving.launch.procs import LAUNCH_ID_ENV
 
 pytestmark = pytest.mark.slow
 

@@ -14,8 +14,8 @@ from transfer.control.errors import ControlError
 from transfer.control.types import DecodeRequest, PrefillRequest
 from transfer.model.reference import reference_generate
 from transfer.presets import get_preset
+from transfer.serving.engine.instance import InstanceConfig
 from transfer.serving.engine.request import DecodePhase
-from transfer.serving.instance import InstanceConfig
 
 pytestmark = pytest.mark.slow
 

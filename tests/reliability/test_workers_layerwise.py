@@ -26,9 +26,9 @@ from transfer.control.types import DecodeRequest, PrefillRequest
 from transfer.errors import PdxferError
 from transfer.model.reference import reference_generate
 from transfer.presets import get_preset
-from transfer.serving.checkpoints import PREFIX_UNIT
-from transfer.serving.instance import InstanceConfig
-from transfer.serving.verify import check_request
+from transfer.serving.engine.checkpoints import PREFIX_UNIT
+from transfer.serving.engine.instance import InstanceConfig
+from transfer.serving.launch.verify import check_request
 
 pytestmark = pytest.mark.slow
 

@@ -29,7 +29,14 @@ from transfer.model.runner import RankEngine
 from transfer.model.slots import CacheFillingError
 from transfer.net import free_port
 from transfer.presets import get_preset
-from transfer.serving.commands import (
+from transfer.serving.engine.decode import DecodeWorker
+from transfer.serving.engine.instance import Instance, InstanceConfig
+from transfer.serving.engine.prefill import PrefillWorker
+from transfer.serving.engine.reads import plan_direct, transfer_request
+from transfer.serving.launch.verify import check_request
+from transfer.serving.openai.router import Router
+from transfer.serving.ranks.commands import (
+    DecodeBatch,
     DecodeStep,
     Release,
     Snapshot,
@@ -39,13 +46,7 @@ from transfer.serving.commands import (
     TransferStart,
     TransferState,
 )
-from transfer.serving.decode import DecodeWorker
-from transfer.serving.instance import Instance, InstanceConfig
-from transfer.serving.prefill import PrefillWorker
-from transfer.serving.rank_protocol import RankCommandError
-from transfer.serving.reads import plan_direct, transfer_request
-from transfer.serving.router import Router
-from transfer.serving.verify import check_request
+from transfer.serving.ranks.rank_protocol import RankCommandError
 
 pytestmark = pytest.mark.slow
 
@@ -58,6 +59,11 @@ LEASE_S = 30.0
 # and again with the production defaults (`serve`'s, which InstanceConfig's are: the prefix
 # cache and staging on).
 SETTINGS = {"bare": {"prefix_cache": False, "staging_bytes": 0}, "production": {}}
+
+
+def one_step(token: int | None, position: int, blocks, slot: int) -> DecodeBatch:
+    """One request's decode step, sent as the decode batcher sends steps: a batch of one."""
+    return DecodeBatch((DecodeStep(token, position, tuple(blocks), slot),))
 
 
 def start_prefill(dump_dir: Path, name: str, settings: dict) -> Side:
@@ -249,7 +255,7 @@ def test_no_step_touches_a_slot_while_a_transfer_fills_it(cluster, spare):
             time.sleep(0.5)
             assert ranks.call(TransferPoll("bug6"))[0].state is TransferState.PENDING
             with pytest.raises(RankCommandError) as refused:
-                ranks.call(DecodeStep(ticket.first_token, len(ids), blocks, slot))
+                ranks.call(one_step(ticket.first_token, len(ids), blocks, slot))
             assert refused.value.kind is CacheFillingError
             rest = [event.token for event in other]  # the other request is not held up
             assert len(rest) == MAX_TOKENS - 1
@@ -261,7 +267,7 @@ def test_no_step_touches_a_slot_while_a_transfer_fills_it(cluster, spare):
         peer.client.release("bug6", holder, ticket.block_ids, ticket.slot_id)
         tokens = [ticket.first_token]
         for i in range(MAX_TOKENS - 1):
-            tokens.append(ranks.call(DecodeStep(tokens[-1], len(ids) + i, blocks, slot))[0].token)
+            tokens.append(ranks.call(one_step(tokens[-1], len(ids) + i, blocks, slot))[0][0].token)
         assert tokens == reference_generate(geometry, ids, MAX_TOKENS)
         ranks.call(Release(slot))
         decode.instance.pools.free("bug6")
@@ -286,12 +292,12 @@ def test_pipelined_decode_steps_feed_the_previous_pick(cluster):
     ranks.call(TransferEnd("pipe"))
     peer.client.release("pipe", holder, ticket.block_ids, ticket.slot_id)
     n = len(ids)
-    sent = [ranks.submit(DecodeStep(ticket.first_token, n, blocks, slot))]
-    sent += [ranks.submit(DecodeStep(None, n + i, blocks, slot)) for i in range(1, MAX_TOKENS - 1)]
-    tokens = [ticket.first_token] + [p.result()[0].token for p in sent]
+    sent = [ranks.submit(one_step(ticket.first_token, n, blocks, slot))]
+    sent += [ranks.submit(one_step(None, n + i, blocks, slot)) for i in range(1, MAX_TOKENS - 1)]
+    tokens = [ticket.first_token] + [p.result()[0][0].token for p in sent]
     assert tokens == reference_generate(geometry, ids, MAX_TOKENS)
     with pytest.raises(RankCommandError, match="token"):  # the last pick is for n + 5
-        ranks.call(DecodeStep(None, n + 2, blocks, slot))
+        ranks.call(one_step(None, n + 2, blocks, slot))
     ranks.call(Release(slot))
     decode.instance.pools.free("pipe")
     assert_idle(prefill, decode)
@@ -314,7 +320,7 @@ def test_an_unfinished_transfer_never_becomes_readable(cluster, spare):
         ranks.call(TransferStart("cancelled", peer.instance_id, reads.per_rank, slot, blocks, 30.0))  # fmt: skip
         assert ranks.call(TransferEnd("cancelled")) == [False]  # still in flight
         with pytest.raises(RankCommandError) as filling:
-            ranks.call(DecodeStep(ticket.first_token, len(ids), blocks, slot))
+            ranks.call(one_step(ticket.first_token, len(ids), blocks, slot))
         assert filling.value.kind is CacheFillingError
     finally:
         os.kill(rank, signal.SIGCONT)
@@ -325,7 +331,7 @@ def test_an_unfinished_transfer_never_becomes_readable(cluster, spare):
     ranks.call(Release(slot))
     decode.instance.pools.free("cancelled")
     with pytest.raises(ValueError, match="holds no request state"):
-        ranks.call(DecodeStep(ticket.first_token, len(ids), blocks, slot))
+        ranks.call(one_step(ticket.first_token, len(ids), blocks, slot))
     peer.client.abort("cancelled", ticket.abort_key, "test")
     assert_idle(decode, stalled)
 

@@ -23,11 +23,11 @@ from transfer.control.client import ClientOptions
 from transfer.control.types import DecodeRequest, GenerateRequest, PrefillRequest
 from transfer.model.reference import reference_generate
 from transfer.presets import get_preset
-from transfer.serving.checkpoints import PREFIX_UNIT
-from transfer.serving.instance import InstanceConfig
-from transfer.serving.prefill import PrefillWorker
-from transfer.serving.router import Router
-from transfer.serving.verify import check_request, load_side
+from transfer.serving.engine.checkpoints import PREFIX_UNIT
+from transfer.serving.engine.instance import InstanceConfig
+from transfer.serving.engine.prefill import PrefillWorker
+from transfer.serving.launch.verify import check_request, load_side
+from transfer.serving.openai.router import Router
 
 pytestmark = pytest.mark.slow
 

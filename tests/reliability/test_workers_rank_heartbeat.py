@@ -10,8 +10,8 @@ import signal
 import pytest
 
 from tests.support.rank_fakes import Sleep, Spec
-from transfer.serving.rank_protocol import RankGroupDead
-from transfer.serving.ranks import RankGroup
+from transfer.serving.ranks.rank_protocol import RankGroupDead
+from transfer.serving.ranks.ranks import RankGroup
 
 pytestmark = pytest.mark.slow
 

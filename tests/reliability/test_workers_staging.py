@@ -21,10 +21,10 @@ from transfer.control.types import DecodeRequest, PrefillRequest, RankGather, St
 from transfer.model.reference import reference_generate
 from transfer.net import free_port
 from transfer.presets import get_preset
-from transfer.serving.decode import DecodeWorker
-from transfer.serving.instance import Instance, InstanceConfig
-from transfer.serving.prefill import PrefillWorker
-from transfer.serving.verify import check_request
+from transfer.serving.engine.decode import DecodeWorker
+from transfer.serving.engine.instance import Instance, InstanceConfig
+from transfer.serving.engine.prefill import PrefillWorker
+from transfer.serving.launch.verify import check_request
 
 pytestmark = pytest.mark.slow
 

@@ -2,13 +2,30 @@
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
-from transfer.serving.procs import LAUNCH_ID_ENV, processes_with_env
+from transfer.serving.launch.procs import LAUNCH_ID_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 MAIN = "import sys; from transfer.cli import main; sys.exit(main())"
+
+
+def processes_with_env(key: str, value: str) -> list[int]:
+    """Pids (Linux /proc) whose environment holds `key=value`: leftovers of a launch run."""
+    needle = f"{key}={value}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+        except OSError:
+            continue
+        if needle in environ.split(b"\0"):
+            found.append(int(entry.name))
+    return found
 
 
 def assert_no_leftovers(launch_id: str, wait_s: float = 10.0) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from transfer.serving.rank_protocol import RankCommand
+from transfer.serving.ranks.rank_protocol import RankCommand
 
 
 @dataclass(frozen=True)

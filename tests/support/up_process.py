@@ -18,7 +18,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from tests.support.launch import MAIN, ROOT, assert_no_leftovers
-from transfer.serving.procs import LAUNCH_ID_ENV
+from transfer.serving.launch.procs import LAUNCH_ID_ENV
 
 READY_PREFIX = "OpenAI API at"
 

@@ -12,9 +12,9 @@ from tests.support.ucx_env import pristine_ucx_env
 from transfer.control.client import ClientOptions
 from transfer.control.server import serve
 from transfer.net import free_port
-from transfer.serving.decode import DecodeWorker
-from transfer.serving.instance import Instance, InstanceConfig
-from transfer.serving.prefill import PrefillWorker
+from transfer.serving.engine.decode import DecodeWorker
+from transfer.serving.engine.instance import Instance, InstanceConfig
+from transfer.serving.engine.prefill import PrefillWorker
 
 
 def prompt(seed: int, length: int = 40) -> list[int]:

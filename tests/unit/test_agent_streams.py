@@ -18,7 +18,7 @@ from transfer.agent.staging import (
 )
 from transfer.dataplane import RangeBatch, make_transport
 from transfer.errors import InvalidInput, WrongState
-from transfer.serving.spec import Copies
+from transfer.serving.ranks.spec import Copies
 
 ARENA = 1 << 16
 POLLS = 20000  # each poll returns at once; a loopback read lands in far fewer

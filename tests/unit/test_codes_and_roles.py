@@ -10,10 +10,10 @@ from transfer.cli import build_parser
 from transfer.control.errors import ControlError, GrpcCode, status_code_name
 from transfer.errors import CapacityError, InvalidInput
 from transfer.presets import get_preset
-from transfer.serving.instance import InstanceConfig
-from transfer.serving.progress import TransferMode
+from transfer.serving.engine.instance import InstanceConfig
+from transfer.serving.engine.serve_options import ServeOptions
+from transfer.serving.ranks.progress import TransferMode
 from transfer.serving.role import ServeRole
-from transfer.serving.serve_options import ServeOptions
 
 
 def test_grpc_codes_are_grpcs_own_names():

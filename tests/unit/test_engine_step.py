@@ -8,7 +8,7 @@ import pytest
 from tests.support.rank_fakes import Refuse, Sleep, Spec
 from transfer.errors import InvalidInput
 from transfer.serving.engine.step import EngineStep, SentStep, StepPlan
-from transfer.serving.ranks import RankGroup
+from transfer.serving.ranks.ranks import RankGroup
 
 TIMEOUT_S = 60.0
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from transfer.serving.frees import FreeQueue
+from transfer.serving.engine.frees import FreeQueue
 
 
 def test_jobs_run_in_order_off_the_callers_thread_and_survive_a_failure():

@@ -14,7 +14,7 @@ import pytest
 PROBE = """
 import ctypes, ctypes.util, json, sys
 import torch
-from transfer.serving.host_malloc import keep_freed_memory
+from transfer.serving.ranks.host_malloc import keep_freed_memory
 
 FIELDS = ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
           "uordblks", "fordblks", "keepcost")

@@ -5,8 +5,8 @@ from __future__ import annotations
 from transfer.control.types import GenerateRequest, SamplingParams
 from transfer.net import free_port
 from transfer.serving.openai.engine import RouterEngine
+from transfer.serving.openai.router import Router
 from transfer.serving.openai.schema import Sampling
-from transfer.serving.router import Router
 
 
 class _Recorder:

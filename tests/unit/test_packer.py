@@ -16,7 +16,7 @@ from transfer.geometry import GQASpec, LayerSpec, MLASpec, ModelGeometry
 from transfer.memplan import plan_memory
 from transfer.packer import Mode, StagingPolicy, TransferRequest, plan_transfer
 from transfer.presets import PRESETS, get_preset
-from transfer.serving.spec import Copies
+from transfer.serving.ranks.spec import Copies
 from transfer.sizing import CacheDtypes, size_model
 
 GIB = 2**30

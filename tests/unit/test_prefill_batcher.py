@@ -9,8 +9,8 @@ import time
 import pytest
 
 from transfer.errors import Cancelled, Closed, InvalidInput, PdxferError
-from transfer.serving.commands import PrefillBatch, TokenPick
-from transfer.serving.prefill_batcher import PrefillBatcher
+from transfer.serving.engine.prefill_batcher import PrefillBatcher
+from transfer.serving.ranks.commands import PrefillBatch, TokenPick
 
 TIMEOUT_S = 10.0
 

@@ -17,9 +17,9 @@ from transfer.control.types import Ticket
 from transfer.errors import InvalidInput
 from transfer.memplan import plan_memory
 from transfer.presets import get_preset
-from transfer.serving.checkpoints import PREFIX_UNIT, checkpoint_positions, checkpoint_stops
-from transfer.serving.commands import PrefillBatch, TokenPick
-from transfer.serving.prefill_batcher import PrefillBatcher
+from transfer.serving.engine.checkpoints import PREFIX_UNIT, checkpoint_positions, checkpoint_stops
+from transfer.serving.engine.prefill_batcher import PrefillBatcher
+from transfer.serving.ranks.commands import PrefillBatch, TokenPick
 
 
 @settings(max_examples=200, deadline=None)

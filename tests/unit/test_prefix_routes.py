@@ -9,7 +9,7 @@ import random
 import pytest
 
 from transfer.cache.prefix_cache import block_hashes
-from transfer.serving.prefix_routes import PrefixRoutes, learn_block_size
+from transfer.serving.openai.prefix_routes import PrefixRoutes, learn_block_size
 
 TARGETS = ["a", "b", "c"]
 

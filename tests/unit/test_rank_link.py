@@ -13,9 +13,9 @@ from multiprocessing.connection import Connection
 import pytest
 
 from transfer.errors import InvalidInput
-from transfer.serving.rank_process import _Inbox
-from transfer.serving.rank_protocol import RankFailure, RankGroupDead, Stop
-from transfer.serving.ranks import RankLink
+from transfer.serving.ranks.rank_process import _Inbox
+from transfer.serving.ranks.rank_protocol import RankFailure, RankGroupDead, Stop
+from transfer.serving.ranks.ranks import RankLink
 
 TIMEOUT_S = 10.0
 

@@ -3,8 +3,8 @@ then in turn again (so a restarted instance gets requests back)."""
 
 from __future__ import annotations
 
-from transfer.serving import router as router_module
-from transfer.serving.router import Router
+from transfer.serving.openai import router as router_module
+from transfer.serving.openai.router import Router
 
 DEAD, LIVE = "127.0.0.1:2", "127.0.0.1:3"
 

@@ -6,7 +6,7 @@ import pytest
 
 from transfer.control.errors import ControlError
 from transfer.control.types import GenerateRequest, TokenEvent
-from transfer.serving.router import Router
+from transfer.serving.openai.router import Router
 
 REQUEST = GenerateRequest("r1", (1, 2, 3), 4)
 

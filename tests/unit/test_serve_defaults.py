@@ -11,9 +11,9 @@ import pytest
 from transfer.cli import build_parser
 from transfer.cli.launch_config import LaunchConfig
 from transfer.cli.serve import instance_option_names
-from transfer.serving.instance import InstanceConfig
-from transfer.serving.local import LocalPairConfig
-from transfer.serving.serve_options import ServeOptions, serve_default, serve_flags
+from transfer.serving.engine.instance import InstanceConfig
+from transfer.serving.engine.serve_options import ServeOptions, serve_default, serve_flags
+from transfer.serving.launch.local import LocalPairConfig
 from transfer.units import parse_size
 
 # Another name for the same setting: the TP of each side, the lease in LocalPairConfig.

@@ -19,7 +19,7 @@ from transfer.control.types import StageRequest, Ticket
 from transfer.errors import InvalidInput
 from transfer.packer import StagingPolicy, TransferRequest, plan_transfer
 from transfer.presets import get_preset
-from transfer.serving.reads import (
+from transfer.serving.engine.reads import (
     STAGING_REFUSED,
     Reads,
     plan_direct,
@@ -27,7 +27,7 @@ from transfer.serving.reads import (
     reads_of,
     transfer_request,
 )
-from transfer.serving.spec import STAGING_RESERVED_BYTES, WARMUP_BYTES, staging_area_bytes
+from transfer.serving.ranks.spec import STAGING_RESERVED_BYTES, WARMUP_BYTES, staging_area_bytes
 
 STAGING = staging_area_bytes(1 << 20)  # STAGING_RESERVED_BYTES + 1 MiB
 BLOCK_SIZE, NUM_BLOCKS, NUM_SLOTS, TOKENS = 8, 16, 4, 50

@@ -20,7 +20,8 @@ from transfer.cache import Layout, LayoutOptions
 from transfer.errors import InvalidInput
 from transfer.packer import StagingPolicy, TransferRequest, plan_transfer
 from transfer.presets import get_preset
-from transfer.serving.progress import (
+from transfer.serving.engine.stream import StreamPlanner
+from transfer.serving.ranks.progress import (
     WORDS,
     Progress,
     entry_offset,
@@ -32,8 +33,7 @@ from transfer.serving.progress import (
     stream_groups,
     token_words,
 )
-from transfer.serving.stream import StreamPlanner
-from transfer.serving.stream_writer import ProgressWriter, StreamedChunk
+from transfer.serving.ranks.stream_writer import ProgressWriter, StreamedChunk
 
 BLOCK_SIZE, NUM_BLOCKS, NUM_SLOTS = 8, 24, 3
 DIRECT = StagingPolicy(enabled=False)

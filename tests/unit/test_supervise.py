@@ -7,8 +7,8 @@ import time
 
 import pytest
 
+from transfer.serving.launch.supervise import RestartPolicy, State, Supervisor
 from transfer.serving.role import ServeRole
-from transfer.serving.supervise import RestartPolicy, State, Supervisor
 
 
 def test_backoff_doubles_per_death_in_a_row_up_to_its_cap():

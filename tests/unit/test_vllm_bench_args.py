@@ -8,8 +8,8 @@ from transfer.bench.vllm_report import ratios, row
 from transfer.cli.bench_vllm import connectors, tp_pairs
 from transfer.cli.vllm_args import vllm_model_dir, vllm_python
 from transfer.errors import InvalidInput
+from transfer.serving.launch.vllm_servers import Connector
 from transfer.serving.openai.vllm_backend import parse_server_url
-from transfer.serving.vllm_servers import Connector
 
 
 def test_tp_pairs_and_connectors_parse_or_name_the_flag():

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from transfer.serving.vllm_servers import (
+from transfer.serving.launch.vllm_servers import (
     Connector,
     VllmServerSpec,
     connector_config,

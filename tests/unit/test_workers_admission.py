@@ -10,7 +10,7 @@ import pytest
 from transfer.cache.pools import CachePools
 from transfer.control.errors import status_code_name
 from transfer.errors import CapacityError, DeadlineExceeded, InvalidInput
-from transfer.serving.admission import Admission
+from transfer.serving.engine.admission import Admission
 
 
 def test_a_request_that_can_never_fit_is_bad_input_naming_the_limit():

@@ -15,12 +15,12 @@ from transfer.cli.launch_report import format_table, summarize
 from transfer.cli.launch_run import Outcome
 from transfer.presets import get_preset
 from transfer.serving.addresses import join_address, resolve, split_address
-from transfer.serving.instance import InstanceConfig, plan_for
-from transfer.serving.interfaces import interface_of
-from transfer.serving.router import Router
-from transfer.serving.serve import instance_config
-from transfer.serving.serve_options import ANY_PORT, ServeOptions
-from transfer.serving.serve_security import auth_token, check_exposure, tls_configs
+from transfer.serving.engine.instance import InstanceConfig, plan_for
+from transfer.serving.engine.serve_options import ANY_PORT, ServeOptions
+from transfer.serving.openai.router import Router
+from transfer.serving.services.interfaces import interface_of
+from transfer.serving.services.serve import instance_config
+from transfer.serving.services.serve_security import auth_token, check_exposure, tls_configs
 
 
 @pytest.mark.parametrize("model", ["tiny-qwen3-next", "tiny-kimi-linear", "tiny-nemotron-h"])

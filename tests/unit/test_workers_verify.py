@@ -7,14 +7,14 @@ import pytest
 import torch
 
 from transfer.presets import get_preset
-from transfer.serving.snapshots import save_snapshot
-from transfer.serving.verify import (
+from transfer.serving.launch.verify import (
     assemble_global,
     check_request,
     compare_snapshots,
     slice_for_rank,
     tokens_check,
 )
+from transfer.serving.ranks.snapshots import save_snapshot
 
 MODELS = ["tiny-qwen3-next", "tiny-kimi-linear", "tiny-nemotron-h"]
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from transfer.net import free_port
-from transfer.serving.vllm_servers import (
+from transfer.serving.launch.vllm_servers import (
     Connector,
     VllmServer,
     VllmServerSpec,
@@ -21,7 +21,7 @@ from transfer.serving.vllm_servers import (
     connector_env,
     start_vllm_server,
 )
-from transfer.serving.vllm_stack import VllmPdPlan, running_vllm_pd
+from transfer.serving.launch.vllm_stack import VllmPdPlan, running_vllm_pd
 
 # Start-up on two shared cores: model load, then vLLM's warm-up (TP 2 is slower still); two
 # servers starting together under other jobs' load took over 300 s.

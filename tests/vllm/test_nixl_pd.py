@@ -16,8 +16,8 @@ import pytest
 from tests.vllm.servers import get_text, post_json
 from tests.vllm.up_stack import running_up
 from transfer.bench.vllm_metrics import fetch_connector_totals, histogram_sums
+from transfer.serving.launch.vllm_servers import Connector
 from transfer.serving.openai.vllm_backend import post_completion
-from transfer.serving.vllm_servers import Connector
 
 pytestmark = pytest.mark.slow
 

@@ -18,7 +18,7 @@ from tests.vllm.servers import (
     post_json,
     running_vllm,
 )
-from transfer.serving.vllm_servers import Connector, connector_config
+from transfer.serving.launch.vllm_servers import Connector, connector_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 

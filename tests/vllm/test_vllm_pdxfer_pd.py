@@ -10,7 +10,7 @@ import re
 import pytest
 
 from tests.vllm.servers import get_text, greedy_completion, pd_completion, running_pd_pair
-from transfer.serving.vllm_servers import Connector
+from transfer.serving.launch.vllm_servers import Connector
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

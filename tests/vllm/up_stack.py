@@ -13,7 +13,7 @@ from pathlib import Path
 from tests.support.up_process import up_process
 from tests.vllm.servers import START_TIMEOUT_S
 from transfer.net import free_port
-from transfer.serving.vllm_servers import Connector
+from transfer.serving.launch.vllm_servers import Connector
 
 STOP_TIMEOUT_S = 90.0
 

@@ -109,7 +109,7 @@ def stage_small(
 
 
 class CopyColumns(Protocol):
-    """Copies inside one arena as int64 columns of offsets (`transfer.serving.spec.Copies`)."""
+    """Copies inside one arena as int64 columns of offsets (`transfer.serving.ranks.spec.Copies`)."""
 
     src: np.ndarray
     dst: np.ndarray

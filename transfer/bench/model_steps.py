@@ -16,7 +16,7 @@ from transfer.model.batch_runner import BatchEngine
 from transfer.model.caches import LocalCaches
 from transfer.model.loader import load_model
 from transfer.model.runner import RankEngine
-from transfer.serving.cpu_rank import configure_cpu_rank
+from transfer.serving.ranks.cpu_rank import configure_cpu_rank
 
 BLOCK_SIZE = 16
 WARMUP_STEPS = 2  # per measured series: first calls allocate and fill caches

@@ -42,7 +42,7 @@ from transfer.bench.transfer_setup import (
 )
 from transfer.cache.extents import count_runs
 from transfer.geometry import ModelGeometry
-from transfer.serving.ranks import STOP_TIMEOUT_S, RankGroup, RankLink
+from transfer.serving.ranks.ranks import STOP_TIMEOUT_S, RankGroup, RankLink
 from transfer.stats import percentile
 
 MODES = ("ours", "lowest", "raw", "naive", "stream", "groups")

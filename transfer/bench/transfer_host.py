@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from transfer.bench.transfer_rank import BUILD
 from transfer.bench.transfer_remote import ACCEPTED, MAX_SPECS_BYTES, check_peer, recv_frame
-from transfer.serving.ranks import RankGroup
+from transfer.serving.ranks.ranks import RankGroup
 
 IDLE_EXIT_S = 600.0
 

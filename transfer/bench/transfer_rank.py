@@ -1,6 +1,6 @@
 """One prefill or decode rank of `pdxfer bench transfer`, and the commands it answers.
 
-The ranks run on the workers' rank-process framework (`transfer.serving.ranks`): one group
+The ranks run on the workers' rank-process framework (`transfer.serving.ranks.ranks`): one group
 per side, commanded through its rank 0. A rank owns an arena (a flat uint8 tensor) and the
 same `TransferAgent` and staging copies serving uses (`transfer.agent`), so the bench times
 the serving path, failure rule included: a failed job raises only once none of its READs
@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 
 from transfer.agent.staging import StagingArea
-from transfer.serving.rank_protocol import RankCommand
-from transfer.serving.spec import Copies
+from transfer.serving.ranks.rank_protocol import RankCommand
+from transfer.serving.ranks.spec import Copies
 
 BUILD = "transfer.bench.transfer_rank:build_bench_rank"
 POLL_SLEEP_S = 20e-6

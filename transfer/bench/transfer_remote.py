@@ -21,7 +21,7 @@ from multiprocessing.connection import Connection
 
 from transfer.bench.transfer_rank import BenchRankSpec
 from transfer.control.auth import load_token
-from transfer.serving.ranks import RankLink
+from transfer.serving.ranks.ranks import RankLink
 
 CONNECT_TIMEOUT_S = 300.0
 HANDSHAKE_TIMEOUT_S = 30.0

@@ -19,10 +19,10 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 
 from transfer.bench.vllm_metrics import ConnectorTotals, fetch_connector_totals
+from transfer.serving.launch.vllm_servers import Connector, VllmServer
+from transfer.serving.launch.vllm_stack import VllmPdPlan, running_vllm_pd
 from transfer.serving.openai.schema import Sampling
 from transfer.serving.openai.vllm_backend import VllmEngine, post_completion
-from transfer.serving.vllm_servers import Connector, VllmServer
-from transfer.serving.vllm_stack import VllmPdPlan, running_vllm_pd
 
 Progress = Callable[[str], None]
 

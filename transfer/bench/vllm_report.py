@@ -4,7 +4,7 @@ whether the tokens equal a colocated run's; then PdxferConnector / NixlConnector
 from __future__ import annotations
 
 from transfer.bench.vllm_pd import ConnectorRun
-from transfer.serving.vllm_servers import Connector
+from transfer.serving.launch.vllm_servers import Connector
 from transfer.stats import percentile
 
 HEADER = (f"{'pair':5s} {'connector':9s} {'transfers':>9s} {'MB/req':>8s} {'desc/req':>9s} "

@@ -19,7 +19,7 @@ from transfer.cli.model_args import (
     add_served_model_arguments,
 )
 from transfer.errors import InvalidInput
-from transfer.serving.serve_options import serve_default
+from transfer.serving.engine.serve_options import serve_default
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -129,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
     from transfer.bench.serve_load import run_load
     from transfer.bench.serve_rounds import combine_rounds, throughput_ratios
     from transfer.presets import load_geometry
-    from transfer.serving.local import LocalPair, LocalPairConfig
+    from transfer.serving.launch.local import LocalPair, LocalPairConfig
 
     levels = positive_ints(args.concurrency, "--concurrency", "1,4,16")
     require_positive(args, ("requests", "rounds", "prompt_len", "max_tokens",

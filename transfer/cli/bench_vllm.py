@@ -17,7 +17,7 @@ from transfer.cli.vllm_args import (
     vllm_python,
 )
 from transfer.errors import InvalidInput
-from transfer.serving.vllm_servers import Connector
+from transfer.serving.launch.vllm_servers import Connector
 
 DEFAULT_PAIRS = "1:1,2:1"
 
@@ -81,7 +81,7 @@ def connectors(text: str) -> list[Connector]:
 def run(args: argparse.Namespace) -> int:
     from transfer.bench.vllm_pd import BenchRequests, run_connector
     from transfer.bench.vllm_report import report
-    from transfer.serving.vllm_stack import VllmPdPlan
+    from transfer.serving.launch.vllm_stack import VllmPdPlan
 
     for flag in ("requests", "prompt_tokens", "max_tokens"):
         if getattr(args, flag) < 1:

@@ -27,7 +27,7 @@ from transfer.cli.model_args import (
     add_served_model_arguments,
 )
 from transfer.errors import InvalidInput
-from transfer.serving.serve_options import serve_default
+from transfer.serving.engine.serve_options import serve_default
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -156,8 +156,8 @@ def launch(config: LaunchConfig) -> int:
     """Run the workers, send the requests, print the report; 0 when every request passed."""
     from transfer.cli.prompts import load_prompts
     from transfer.presets import load_geometry, looks_like_path
-    from transfer.serving.instance import InstanceConfig, plan_for
-    from transfer.serving.local import LocalPair, LocalPairConfig
+    from transfer.serving.engine.instance import InstanceConfig, plan_for
+    from transfer.serving.launch.local import LocalPair, LocalPairConfig
     from transfer.serving.openai.served import load_served_model
     from transfer.serving.openai.text import TextCodec
     from transfer.units import parse_size

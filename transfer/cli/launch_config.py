@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from transfer.errors import InvalidInput
-from transfer.serving.serve_options import serve_default
+from transfer.serving.engine.serve_options import serve_default
 
 _AT_LEAST_ONE = (
     "prefill_tp",

@@ -216,7 +216,7 @@ def verify_outcomes(
 ) -> None:
     """Add to each answered outcome the problems --verify finds: its caches against the
     re-sliced prefill caches (dumped under `dump_dir`), its tokens against `references`."""
-    from transfer.serving.verify import check_request, tokens_check
+    from transfer.serving.launch.verify import check_request, tokens_check
 
     for out, expected in zip(outcomes, references, strict=True):
         if out.error:

@@ -8,8 +8,8 @@ import argparse
 import os
 
 from transfer.presets import PRESETS
-from transfer.serving.progress import TRANSFER_MODES
-from transfer.serving.serve_options import serve_default
+from transfer.serving.engine.serve_options import serve_default
+from transfer.serving.ranks.progress import TRANSFER_MODES
 
 SSM_DTYPES = ("auto", "float32", "bfloat16")
 

@@ -6,10 +6,10 @@ import argparse
 import os
 
 from transfer.cli.model_args import add_served_model_arguments
-from transfer.serving.progress import TRANSFER_MODES
+from transfer.serving.engine.serve_options import ANY_PORT, RouterBackend
+from transfer.serving.engine.serve_options import serve_default as _D
+from transfer.serving.ranks.progress import TRANSFER_MODES
 from transfer.serving.role import ServeRole
-from transfer.serving.serve_options import ANY_PORT, RouterBackend
-from transfer.serving.serve_options import serve_default as _D
 
 ROLES = tuple(ServeRole)
 
@@ -301,7 +301,7 @@ def add_http_arguments(group, default_port: int | None = None) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from transfer.serving.serve import serve
-    from transfer.serving.serve_options import ServeOptions
+    from transfer.serving.engine.serve_options import ServeOptions
+    from transfer.serving.services.serve import serve
 
     return serve(ServeOptions.from_values(vars(args)))

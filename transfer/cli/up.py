@@ -16,8 +16,8 @@ from transfer.cli.model_args import add_served_model_arguments
 from transfer.cli.serve import add_http_arguments, add_instance_arguments, instance_option_names
 from transfer.cli.vllm_args import add_connector_argument, add_vllm_server_arguments
 from transfer.errors import InvalidInput
-from transfer.serving.serve_options import RouterBackend, serve_default, serve_flags
-from transfer.serving.supervise import RestartPolicy
+from transfer.serving.engine.serve_options import RouterBackend, serve_default, serve_flags
+from transfer.serving.launch.supervise import RestartPolicy
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -89,10 +89,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from transfer.serving.http_front import api_key
+    from transfer.serving.engine.serve_options import ServeOptions
+    from transfer.serving.openai.http_front import api_key
     from transfer.serving.role import ServeRole
-    from transfer.serving.serve_options import ServeOptions
-    from transfer.serving.serve_security import check_http_exposure
+    from transfer.serving.services.serve_security import check_http_exposure
 
     key = api_key(ServeOptions(ServeRole.ROUTER, api_key_file=args.api_key_file))
     check_http_exposure(args.host, key, args.insecure)
@@ -101,14 +101,14 @@ def run(args: argparse.Namespace) -> int:
 
         return run_vllm_up(args)
     from transfer.presets import looks_like_path
-    from transfer.serving.procs import (
+    from transfer.serving.launch.procs import (
         LAUNCH_ID_ENV,
         check_health,
         start_serve,
         wait_ready,
     )
+    from transfer.serving.launch.supervise import Supervisor
     from transfer.serving.role import ServeRole
-    from transfer.serving.supervise import Supervisor
 
     for flag in ("prefill_instances", "decode_instances", "prefill_tp", "decode_tp", "max_seqs"):
         if getattr(args, flag) < 1:
@@ -183,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
 def _context_held(args: argparse.Namespace) -> int:
     """The longest request (prompt + max_tokens) every instance's memory plan holds."""
     from transfer.presets import load_geometry
-    from transfer.serving.instance import InstanceConfig, plan_for
+    from transfer.serving.engine.instance import InstanceConfig, plan_for
     from transfer.units import parse_size
 
     geometry = load_geometry(args.model)

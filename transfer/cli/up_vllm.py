@@ -21,9 +21,9 @@ WATCH_INTERVAL_S = 0.5
 def run_vllm_up(args: argparse.Namespace) -> int:
     from transfer.net import free_port
     from transfer.serving.addresses import join_address
-    from transfer.serving.procs import start_serve, stop_all, wait_ready
-    from transfer.serving.vllm_servers import Connector
-    from transfer.serving.vllm_stack import VllmPdPlan, running_vllm_pd
+    from transfer.serving.launch.procs import start_serve, stop_all, wait_ready
+    from transfer.serving.launch.vllm_servers import Connector
+    from transfer.serving.launch.vllm_stack import VllmPdPlan, running_vllm_pd
 
     for flag in ("prefill_instances", "decode_instances"):
         if getattr(args, flag) != 1:

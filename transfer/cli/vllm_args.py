@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from transfer.errors import InvalidInput
-from transfer.serving.vllm_servers import (
+from transfer.serving.launch.vllm_servers import (
     DEFAULT_KV_CACHE_BYTES,
     DEFAULT_MAX_MODEL_LEN,
     Connector,

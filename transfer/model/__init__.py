@@ -10,7 +10,7 @@ Public API (what workers build on):
 - `CacheFillingError`, `SlotPhase`: the slot lifecycle (docs/bugs.md, bugs 4 and 6).
 
 Names load on first access (PEP 562): importing a torch-free submodule such as
-`transfer.serving.router` does not import torch.
+`transfer.serving.openai.router` does not import torch.
 """
 
 from __future__ import annotations

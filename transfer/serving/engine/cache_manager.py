@@ -15,10 +15,10 @@ import time
 
 from transfer.cache.pools import CacheFullError
 from transfer.errors import CapacityError, DeadlineExceeded, InvalidInput, TransferFailed
-from transfer.serving.commands import Release, TransferEnd, TransferSettled
+from transfer.serving.engine.instance import Instance
 from transfer.serving.engine.request import DecodePhase, Request
-from transfer.serving.instance import Instance
-from transfer.serving.rank_protocol import RankCommand
+from transfer.serving.ranks.commands import Release, TransferEnd, TransferSettled
+from transfer.serving.ranks.rank_protocol import RankCommand
 
 logger = logging.getLogger(__name__)
 

@@ -30,14 +30,14 @@ from transfer.control.metrics import WorkerMetrics
 from transfer.control.peer_client import PeerClient, PeerEvent
 from transfer.control.types import DecodeRequest, TokenEvent
 from transfer.errors import Cancelled, Closed, PdxferError, TransferFailed
-from transfer.serving.commands import DecodeBatch, DecodeStep, TransferPoll
 from transfer.serving.engine.cache_manager import SETTLE_POLL_S, CacheManager
 from transfer.serving.engine.decode_setup import DecodeSetup
+from transfer.serving.engine.instance import Instance
 from transfer.serving.engine.request import END, DecodePhase, Request
 from transfer.serving.engine.step import Answer, EngineStep, SentStep, StepPlan
 from transfer.serving.engine.transfers import Outcome
-from transfer.serving.instance import Instance
-from transfer.serving.rank_protocol import same_on_every_rank
+from transfer.serving.ranks.commands import DecodeBatch, DecodeStep, TransferPoll
+from transfer.serving.ranks.rank_protocol import same_on_every_rank
 
 logger = logging.getLogger(__name__)
 

@@ -19,15 +19,15 @@ from transfer.control.errors import NotPermitted
 from transfer.control.peer_client import PeerEvent, PeerOp
 from transfer.control.types import TokenEvent
 from transfer.errors import InvalidInput, PdxferError, PeerUnavailable
-from transfer.serving.commands import AddPeers, Snapshot, StreamSource
 from transfer.serving.engine.peers import Peer, PeerTable, unreachable
+from transfer.serving.engine.reads import plan_reads, transfer_request
 from transfer.serving.engine.request import DecodePhase, Request
+from transfer.serving.engine.stream import StreamPlanner, progress_entries
 from transfer.serving.engine.transfers import STREAM_HEARTBEAT_S, Transfer
-from transfer.serving.progress import TransferMode
-from transfer.serving.reads import plan_reads, transfer_request
+from transfer.serving.ranks.commands import AddPeers, Snapshot, StreamSource
+from transfer.serving.ranks.progress import TransferMode
+from transfer.serving.ranks.spec import RankReads
 from transfer.serving.role import ServeRole
-from transfer.serving.spec import RankReads
-from transfer.serving.stream import StreamPlanner, progress_entries
 
 if TYPE_CHECKING:
     from transfer.serving.engine.decode_engine import DecodeEngine

@@ -13,8 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from transfer.serving.rank_protocol import RankCommand, RankFailure, command_error
-from transfer.serving.ranks import Pending
+from transfer.serving.ranks.rank_protocol import RankCommand, RankFailure, command_error
+from transfer.serving.ranks.ranks import Pending
 
 logger = logging.getLogger(__name__)
 

@@ -8,16 +8,16 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from transfer.serving.commands import (
+from transfer.serving.engine.peers import Peer
+from transfer.serving.engine.stream import StreamPlanner
+from transfer.serving.ranks.commands import (
     RankTransferStatus,
     StreamSource,
     TransferPost,
     TransferStart,
     TransferState,
 )
-from transfer.serving.engine.peers import Peer
-from transfer.serving.spec import RankReads
-from transfer.serving.stream import StreamPlanner
+from transfer.serving.ranks.spec import RankReads
 
 POLL_INTERVAL_S = 0.0005  # between polls when no decode step paces them
 # A stream polls this often until its prefill has finished: each poll is a rank command and

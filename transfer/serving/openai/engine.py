@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from transfer.control.types import GenerateRequest, SamplingParams, TokenEvent
+from transfer.serving.openai.router import Router
 from transfer.serving.openai.schema import Sampling
-from transfer.serving.router import Router
 
 
 class RouterEngine:

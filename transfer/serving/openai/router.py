@@ -34,7 +34,7 @@ from transfer.control.types import (
     TokenEvent,
 )
 from transfer.serving.addresses import UNSPECIFIED_HOSTS, resolve, split_address
-from transfer.serving.prefix_routes import PrefixRoutes, learn_block_size
+from transfer.serving.openai.prefix_routes import PrefixRoutes, learn_block_size
 from transfer.serving.role import INSTANCE_ROLES, ServeRole
 
 logger = logging.getLogger(__name__)

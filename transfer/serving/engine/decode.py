@@ -17,12 +17,12 @@ from transfer.control.client import ClientOptions, TransferClient
 from transfer.control.metrics import WorkerMetrics
 from transfer.control.types import DecodeRequest, TokenEvent
 from transfer.errors import PeerUnavailable
-from transfer.serving.commands import AddPeers
 from transfer.serving.engine.decode_engine import DecodeEngine
+from transfer.serving.engine.instance import Instance
 from transfer.serving.engine.peers import Peer
 from transfer.serving.engine.request import END
-from transfer.serving.instance import Instance
-from transfer.serving.rank_protocol import RankCommandError
+from transfer.serving.ranks.commands import AddPeers
+from transfer.serving.ranks.rank_protocol import RankCommandError
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from transfer.net import free_port
-from transfer.serving.procs import die_with_parent, group_alive, signal_group
+from transfer.serving.child_process import die_with_parent
+from transfer.serving.launch.procs import group_alive, signal_group
 
 VLLM_ENTRYPOINT = "vllm.entrypoints.openai.api_server"
 # On CPU vLLM's --gpu-memory-utilization is a share of RAM; a fixed byte budget keeps each

@@ -10,9 +10,9 @@ import threading
 from prometheus_client import CollectorRegistry
 
 from transfer.serving.addresses import join_address
-from transfer.serving.http_front import api_key
-from transfer.serving.procs import ready_line
-from transfer.serving.serve_options import ServeOptions
+from transfer.serving.child_process import ready_line
+from transfer.serving.engine.serve_options import ServeOptions
+from transfer.serving.openai.http_front import api_key
 
 logger = logging.getLogger("pdxfer.serve")
 

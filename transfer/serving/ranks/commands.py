@@ -8,12 +8,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from transfer.control.types import GREEDY, SamplingParams
-from transfer.serving.rank_protocol import RankCommand
+from transfer.serving.ranks.rank_protocol import RankCommand
+from transfer.serving.ranks.spec import Copies, RankReads
 from transfer.serving.role import ServeRole
-from transfer.serving.spec import Copies, RankReads
 
 if TYPE_CHECKING:
-    from transfer.serving.rank_worker import RankWorker
+    from transfer.serving.ranks.rank_worker import RankWorker
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,7 @@ class PrefillChunk:
     the cached block holding its last rows as `copy_block` (or -1): its first
     `context_len % block_size` KV rows are copied into the prompt's own block at
     `context_len // block_size` before the step (copy on write). A streamed prompt's chunks
-    publish their progress (`transfer.serving.progress`) as the step's layer groups finish."""
+    publish their progress (`transfer.serving.ranks.progress`) as the step's layer groups finish."""
 
     tokens: tuple[int, ...]
     context_len: int
@@ -215,11 +215,11 @@ class TransferSettled(RankCommand[bool]):
 
 
 @dataclass(frozen=True)
-class DecodeStep(RankCommand[TokenPick]):
-    """Feed `token` at `position`; answers the next token, token `index` of the
-    `sampling` stream (0 is the one prefill picked). `token` None feeds what the slot's
-    previous decode step picked, which must have been for `position`: a step sent before
-    that pick came back (pipelined decode)."""
+class DecodeStep:
+    """One request's part of a `DecodeBatch`: feed `token` at `position`; its pick is the
+    next token, token `index` of the `sampling` stream (0 is the one prefill picked).
+    `token` None feeds what the slot's previous decode step picked, which must have been
+    for `position`: a step sent before that pick came back (pipelined decode)."""
 
     token: int | None
     position: int
@@ -227,11 +227,6 @@ class DecodeStep(RankCommand[TokenPick]):
     slot: int
     sampling: SamplingParams = GREEDY
     index: int = 1
-
-    def apply(self, worker: RankWorker) -> TokenPick:
-        return worker.decode_step(
-            self.token, self.position, list(self.block_ids), self.slot, self.sampling, self.index
-        )
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,8 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from transfer.serving.procs import (
+from transfer.serving.engine.serve_options import ANY_PORT, serve_default, serve_flags
+from transfer.serving.launch.procs import (
     LAUNCH_ID_ENV,
     ServeProcess,
     check_health,
@@ -17,7 +18,6 @@ from transfer.serving.procs import (
     wait_ready,
 )
 from transfer.serving.role import INSTANCE_ROLES, ServeRole
-from transfer.serving.serve_options import ANY_PORT, serve_default, serve_flags
 
 
 @dataclass(frozen=True)

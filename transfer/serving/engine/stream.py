@@ -1,5 +1,5 @@
 """The decode control side of a layer-wise stream: from the prefill ranks' progress words
-(`transfer.serving.progress`) to the READs of the parts that just became final.
+(`transfer.serving.ranks.progress`) to the READs of the parts that just became final.
 
 Per group it remembers how far its KV has been read and whether its state has; each
 `advance` plans only what is final on every prefill rank and not read yet, so every byte
@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from transfer.cache.layout import Layout
 from transfer.errors import InvalidInput
 from transfer.packer import StagingPolicy, TransferRequest, plan_transfer
-from transfer.serving.progress import (
+from transfer.serving.engine.reads import reads_of
+from transfer.serving.ranks.progress import (
     MAX_SOURCES,
     WORDS,
     Progress,
@@ -24,8 +25,7 @@ from transfer.serving.progress import (
     read_entry,
     stream_groups,
 )
-from transfer.serving.reads import reads_of
-from transfer.serving.spec import RankReads
+from transfer.serving.ranks.spec import RankReads
 
 
 @dataclass(frozen=True)

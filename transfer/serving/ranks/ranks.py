@@ -2,7 +2,7 @@
 
 The control process talks to rank 0 over a connection (`RankLink`); rank 0 broadcasts every
 command to the group, every rank runs it on its own shard, and rank 0 sends back the
-per-rank results (see `transfer.serving.rank_process`). Commands run one at a time, in the
+per-rank results (see `transfer.serving.ranks.rank_process`). Commands run one at a time, in the
 same order on every rank, which is what the model's collectives require.
 
 A rank that raises answers a failure for that command and keeps serving; a rank process
@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 from transfer.net import free_port
-from transfer.serving.rank_protocol import (
+from transfer.serving.ranks.rank_protocol import (
     HEARTBEAT_S,
     RankCommand,
     RankFailure,
@@ -44,7 +44,7 @@ from transfer.serving.rank_protocol import (
 
 R = TypeVar("R")
 ROOT = str(Path(__file__).resolve().parents[2])
-RANK_ARGV = (sys.executable, "-m", "transfer.serving.rank_process")
+RANK_ARGV = (sys.executable, "-m", "transfer.serving.ranks.rank_process")
 STOP_TIMEOUT_S = 10.0
 HEARTBEAT_WINDOW_S = 10 * HEARTBEAT_S  # a rank silent this long is frozen or dead
 

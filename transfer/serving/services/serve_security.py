@@ -7,7 +7,7 @@ import ipaddress
 import socket
 
 from transfer.control.auth import TlsConfig, load_token
-from transfer.serving.serve_options import ServeOptions
+from transfer.serving.engine.serve_options import ServeOptions
 
 
 def auth_token(options: ServeOptions) -> str | None:

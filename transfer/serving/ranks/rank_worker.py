@@ -1,7 +1,7 @@
 """What one TP rank process holds and does: its arena and model shard; its transfers go
-through `RankTransfers` (transfer.serving.rank_transfers) and the shared `TransferAgent`.
+through `RankTransfers` (transfer.serving.ranks.rank_transfers) and the shared `TransferAgent`.
 
-Every public method backs a command of `transfer.serving.commands`, which the control
+Every public method backs a command of `transfer.serving.ranks.commands`, which the control
 process runs on all ranks at once (`RankGroup.call`); each rank acts on its own shard and
 answers for itself.
 
@@ -34,7 +34,7 @@ from transfer.model.caches import ArenaCaches
 from transfer.model.loader import load_model
 from transfer.model.runner import RankEngine
 from transfer.model.sampling import Sampler
-from transfer.serving.commands import (
+from transfer.serving.ranks.commands import (
     DecodeStep,
     PrefillChunk,
     RankInfo,
@@ -42,12 +42,12 @@ from transfer.serving.commands import (
     StreamSource,
     TokenPick,
 )
-from transfer.serving.cpu_rank import configure_cpu_rank
-from transfer.serving.progress import progress_area_bytes
-from transfer.serving.rank_transfers import RankTransfers
-from transfer.serving.snapshots import save_snapshot, snapshot_request
-from transfer.serving.spec import Copies, RankReads, RankSpec, staging_area_bytes
-from transfer.serving.stream_writer import ProgressWriter, StreamedChunk
+from transfer.serving.ranks.cpu_rank import configure_cpu_rank
+from transfer.serving.ranks.progress import progress_area_bytes
+from transfer.serving.ranks.rank_transfers import RankTransfers
+from transfer.serving.ranks.snapshots import save_snapshot, snapshot_request
+from transfer.serving.ranks.spec import Copies, RankReads, RankSpec, staging_area_bytes
+from transfer.serving.ranks.stream_writer import ProgressWriter, StreamedChunk
 
 logger = logging.getLogger(__name__)
 
@@ -176,21 +176,6 @@ class RankWorker:
 
     def transfer_settled(self, request_id: str) -> bool:
         return self.transfers.settled(request_id)
-
-    def decode_step(
-        self,
-        token: int | None,
-        position: int,
-        block_ids: list[int],
-        slot: int,
-        sampling: SamplingParams,
-        index: int,
-    ) -> TokenPick:
-        token = self._fed_token(token, position, slot)
-        sampler = _sampler(sampling)
-        pick = self.engine.decode_step_pick(token, position, block_ids, slot, sampler, index)
-        self.picked[slot] = (position + 1, pick.token)
-        return TokenPick(pick.token, pick.logprob)
 
     def decode_batch(self, steps: Sequence[DecodeStep]) -> tuple[TokenPick, ...]:
         # Run in slot order: the states of consecutive slots are one slice of each cache,

@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from transfer.serving.host_malloc import keep_freed_memory
+from transfer.serving.ranks.host_malloc import keep_freed_memory
 
 
 def configure_cpu_rank() -> None:

@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 
 from transfer.geometry import CacheTensor, ModelGeometry
+from transfer.serving.ranks.snapshots import RankTensors, cache_tensors, load_side
 from transfer.serving.role import INSTANCE_ROLES, ServeRole
-from transfer.serving.snapshots import RankTensors, cache_tensors, load_side
 
 
 def _segment_columns(tensor: CacheTensor, tp: int, rank: int | None):

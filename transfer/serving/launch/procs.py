@@ -19,29 +19,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-READY_PREFIX = "PDXFER-READY "
+from transfer.serving.child_process import READY_PREFIX, die_with_parent
+
 LAUNCH_ID_ENV = "PDXFER_LAUNCH_ID"
 
 
 _MAIN = "import sys; from transfer.cli import main; sys.exit(main())"
-
-
-def ready_line(role: str, address: str, metrics_port: int) -> str:
-    info = {"role": role, "address": address, "metrics_port": metrics_port, "pid": os.getpid()}
-    return READY_PREFIX + json.dumps(info, sort_keys=True)
-
-
-def die_with_parent(parent_pid: int | None = None) -> None:
-    """SIGTERM this process when its parent exits (Linux prctl PR_SET_PDEATHSIG). With
-    `parent_pid`, exit at once if that parent is already gone (it died before the prctl)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
-    except (OSError, AttributeError):
-        pass
-    if parent_pid is not None and os.getppid() != parent_pid:
-        os._exit(1)
 
 
 @dataclass
@@ -173,19 +156,3 @@ def stop_all(procs: list[ServeProcess], grace_s: float = 10.0) -> None:
         for handle in (proc._stdout, proc._stderr):
             if handle is not None:
                 handle.close()
-
-
-def processes_with_env(key: str, value: str) -> list[int]:
-    """Pids (Linux /proc) whose environment holds `key=value`: leftovers of a launch run."""
-    needle = f"{key}={value}".encode()
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            environ = (entry / "environ").read_bytes()
-        except OSError:
-            continue
-        if needle in environ.split(b"\0"):
-            found.append(int(entry.name))
-    return found

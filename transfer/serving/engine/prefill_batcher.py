@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 from transfer.cache.prefix_cache import PrefixCache
 from transfer.control.types import GREEDY, SamplingParams
 from transfer.errors import Cancelled, Closed, InvalidInput, PdxferError, WrongState
-from transfer.serving.checkpoints import SCAN_CHUNK_ALIGN
-from transfer.serving.commands import PrefillBatch, PrefillChunk, TokenPick
-from transfer.serving.rank_protocol import same_on_every_rank
-from transfer.serving.ranks import RankGroup
+from transfer.serving.engine.checkpoints import SCAN_CHUNK_ALIGN
+from transfer.serving.ranks.commands import PrefillBatch, PrefillChunk, TokenPick
+from transfer.serving.ranks.rank_protocol import same_on_every_rank
+from transfer.serving.ranks.ranks import RankGroup
 
 logger = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ from enum import Enum, StrEnum
 from typing import Any, TypeVar
 
 from transfer.errors import InvalidInput
-from transfer.serving.checkpoints import DEFAULT_STATE_CHECKPOINTS
-from transfer.serving.progress import DEFAULT_STREAM_LAYERS, TransferMode
+from transfer.serving.engine.checkpoints import DEFAULT_STATE_CHECKPOINTS
+from transfer.serving.ranks.progress import DEFAULT_STREAM_LAYERS, TransferMode
 from transfer.serving.role import ServeRole
 
 # `--metrics-port any`: the process binds a port the OS picks and announces it on its

@@ -30,15 +30,15 @@ from transfer.control.types import (
     compat_hash,
 )
 from transfer.errors import CapacityError, DeadlineExceeded, InvalidInput, PdxferError
-from transfer.serving.checkpoints import PREFIX_UNIT, checkpoint_positions, checkpoint_stops
-from transfer.serving.commands import Release, Snapshot, StageGather, TokenPick
-from transfer.serving.frees import FreeQueue
-from transfer.serving.instance import Instance
-from transfer.serving.prefill_batcher import PrefillBatcher
-from transfer.serving.progress import TransferMode, next_key
-from transfer.serving.rank_protocol import RankCommandError, RankGroupDead
+from transfer.serving.engine.checkpoints import PREFIX_UNIT, checkpoint_positions, checkpoint_stops
+from transfer.serving.engine.frees import FreeQueue
+from transfer.serving.engine.instance import Instance
+from transfer.serving.engine.prefill_batcher import PrefillBatcher
+from transfer.serving.ranks.commands import Release, Snapshot, StageGather, TokenPick
+from transfer.serving.ranks.progress import TransferMode, next_key
+from transfer.serving.ranks.rank_protocol import RankCommandError, RankGroupDead
+from transfer.serving.ranks.spec import Copies
 from transfer.serving.role import ServeRole
-from transfer.serving.spec import Copies
 
 logger = logging.getLogger(__name__)
 

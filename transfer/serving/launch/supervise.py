@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from transfer.serving.procs import ServeProcess, start_serve, stop_all, wait_ready
+from transfer.serving.launch.procs import ServeProcess, start_serve, stop_all, wait_ready
 from transfer.serving.role import INSTANCE_ROLES, ServeRole
 
 WATCH_INTERVAL_S = 0.5

@@ -7,8 +7,8 @@ import os
 from pathlib import Path
 
 from transfer.serving.addresses import join_address
-from transfer.serving.router import Router, RouterMetrics
-from transfer.serving.serve_options import ServeOptions
+from transfer.serving.engine.serve_options import ServeOptions
+from transfer.serving.openai.router import Router, RouterMetrics
 
 logger = logging.getLogger("pdxfer.serve")
 

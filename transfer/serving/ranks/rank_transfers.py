@@ -21,10 +21,10 @@ from transfer.agent import Finished, PeerReads, TransferAgent
 from transfer.agent.staging import Packed, StagingArea, check_copies, gather_to_staging
 from transfer.cache.layout import Layout
 from transfer.dataplane import RangeBatch
-from transfer.serving.commands import RankTransferStatus, StreamSource, TransferState
-from transfer.serving.progress import entry_offset
-from transfer.serving.spec import WARMUP_BYTES, Copies, RankReads
-from transfer.serving.stream_reader import ProgressReader
+from transfer.serving.ranks.commands import RankTransferStatus, StreamSource, TransferState
+from transfer.serving.ranks.progress import entry_offset
+from transfer.serving.ranks.spec import WARMUP_BYTES, Copies, RankReads
+from transfer.serving.ranks.stream_reader import ProgressReader
 
 # A whole transfer of at most SETTLE_MAX_BYTES is polled for up to TRANSFER_SETTLE_S by
 # `start` itself (0.4-0.8 ms p50 for a tiny model's request over NIXL on one host); a

@@ -24,20 +24,20 @@ from transfer.control.types import make_compat
 from transfer.errors import InvalidInput
 from transfer.geometry import ModelGeometry
 from transfer.memplan import MemoryPlan, PagePolicy, plan_memory
-from transfer.serving.admission import Admission
-from transfer.serving.checkpoints import PREFIX_UNIT
-from transfer.serving.commands import Info
-from transfer.serving.progress import TransferMode
-from transfer.serving.ranks import RankGroup
+from transfer.serving.engine.admission import Admission
+from transfer.serving.engine.checkpoints import PREFIX_UNIT
+from transfer.serving.engine.serve_options import as_enum, serve_default
+from transfer.serving.ranks.commands import Info
+from transfer.serving.ranks.progress import TransferMode
+from transfer.serving.ranks.ranks import RankGroup
+from transfer.serving.ranks.spec import STAGING_RESERVED_BYTES, RankSpec
 from transfer.serving.role import INSTANCE_ROLES, ServeRole
-from transfer.serving.serve_options import as_enum, serve_default
-from transfer.serving.spec import STAGING_RESERVED_BYTES, RankSpec
 from transfer.sizing import CacheDtypes
 from transfer.units import parse_size
 
 logger = logging.getLogger(__name__)
 
-BUILD_RANK_WORKER = "transfer.serving.rank_worker:build_rank_worker"
+BUILD_RANK_WORKER = "transfer.serving.ranks.rank_worker:build_rank_worker"
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from transfer.packer import (
     prefill_gathers,
     staging_extents,
 )
-from transfer.serving.spec import STAGING_RESERVED_BYTES, Copies, RankReads, ReadBatch
+from transfer.serving.ranks.spec import STAGING_RESERVED_BYTES, Copies, RankReads, ReadBatch
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """A prefill rank's side of layer-wise streaming: publish each streamed prompt's progress
-(`transfer.serving.progress`) in this rank's arena as the step's layers finish."""
+(`transfer.serving.ranks.progress`) in this rank's arena as the step's layers finish."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from transfer.cache.layout import Layout
 from transfer.model.layers.common import AfterLayer
 from transfer.packer import StagingPolicy, TransferRequest, plan_transfer
-from transfer.serving.progress import (
+from transfer.serving.ranks.progress import (
     ENTRY_BYTES,
     FLOOR,
     LOGPROB,

@@ -1,4 +1,4 @@
-"""Body of one rank process (`python -m transfer.serving.rank_process`).
+"""Body of one rank process (`python -m transfer.serving.ranks.rank_process`).
 
 It reads a pickled `RankLaunch` on stdin, joins its group, builds its worker, and runs
 commands until told to stop. Rank 0 receives each command on its connection (a socket to
@@ -22,8 +22,8 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
-from transfer.serving.procs import die_with_parent
-from transfer.serving.rank_protocol import HEARTBEAT_S, RankFailure, RankLaunch, Stop
+from transfer.serving.child_process import die_with_parent
+from transfer.serving.ranks.rank_protocol import HEARTBEAT_S, RankFailure, RankLaunch, Stop
 
 logger = logging.getLogger(__name__)
 

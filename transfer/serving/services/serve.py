@@ -20,13 +20,13 @@ from transfer.control.metrics import WorkerMetrics, serve_metrics
 from transfer.control.server import serve as serve_control
 from transfer.net import free_port
 from transfer.serving.addresses import join_address
-from transfer.serving.http_front import api_key, http_front
-from transfer.serving.interfaces import advertised_host, interface_of
-from transfer.serving.procs import ready_line
+from transfer.serving.child_process import ready_line
+from transfer.serving.engine.serve_options import ANY_PORT, RouterBackend, ServeOptions
+from transfer.serving.openai.http_front import api_key, http_front
+from transfer.serving.openai.router import Router, RouterMetrics
 from transfer.serving.role import ServeRole
-from transfer.serving.router import Router, RouterMetrics
-from transfer.serving.serve_options import ANY_PORT, RouterBackend, ServeOptions
-from transfer.serving.serve_security import (
+from transfer.serving.services.interfaces import advertised_host, interface_of
+from transfer.serving.services.serve_security import (
     auth_token,
     check_exposure,
     check_http_exposure,
@@ -63,7 +63,7 @@ def serve(options: ServeOptions) -> int:
     if options.role is ServeRole.ROUTER and options.http_port is not None:
         check_http_exposure(options.host, api_key(options), options.insecure)
     if options.role is ServeRole.ROUTER and options.engine is RouterBackend.VLLM:
-        from transfer.serving.vllm_router import serve_vllm_router
+        from transfer.serving.openai.vllm_router import serve_vllm_router
 
         return serve_vllm_router(options, stop)
     if options.role is ServeRole.ROUTER:
@@ -126,7 +126,7 @@ def _serve_router(
 
 def instance_config(options: ServeOptions):
     from transfer.presets import load_geometry
-    from transfer.serving.instance import InstanceConfig
+    from transfer.serving.engine.instance import InstanceConfig
 
     if options.lease_seconds <= 0:
         raise ValueError(f"--lease-seconds must be > 0, got {options.lease_seconds}")
@@ -170,10 +170,10 @@ def _staging_bytes(mib: int) -> int:
 def _serve_worker(
     options: ServeOptions, token, server_tls, client_tls, stop: threading.Event
 ) -> int:
-    from transfer.serving.decode import DecodeWorker
-    from transfer.serving.instance import Instance
-    from transfer.serving.prefill import PrefillWorker
-    from transfer.serving.rank_protocol import RankCommandError
+    from transfer.serving.engine.decode import DecodeWorker
+    from transfer.serving.engine.instance import Instance
+    from transfer.serving.engine.prefill import PrefillWorker
+    from transfer.serving.ranks.rank_protocol import RankCommandError
 
     config = instance_config(options)
     try:

@@ -1,5 +1,5 @@
 """A decode rank's side of layer-wise streaming: keep one READ of a request's progress
-entries (one per prefill rank, `transfer.serving.progress`) in flight, and hand on the words
+entries (one per prefill rank, `transfer.serving.ranks.progress`) in flight, and hand on the words
 of the latest that landed. Posting and polling never wait, so a stream never stalls the
 decode steps that run between polls."""
 
@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from transfer.dataplane import Op, RangeBatch
-from transfer.serving.progress import ENTRY_BYTES, WORDS
+from transfer.serving.ranks.progress import ENTRY_BYTES, WORDS
 
 
 class ProgressReader:

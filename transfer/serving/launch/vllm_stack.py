@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from transfer.net import free_port
-from transfer.serving.vllm_servers import (
+from transfer.serving.launch.vllm_servers import (
     DEFAULT_KV_CACHE_BYTES,
     DEFAULT_MAX_MODEL_LEN,
     Connector,
