@@ -48,12 +48,10 @@ class DecodeWorker:
         self.instance_id = instance_id
         self.options = options or ClientOptions(timeout_s=30.0)
         self.metrics = metrics
-        known_prefill = list(known_prefill)
         self.engine = DecodeEngine(
             instance, instance_id, self.options, metrics, transfer_deadline_s, known_prefill
         )
         self.peers = self.engine.setup.peers
-        self._prewarm(known_prefill)
         if metrics is not None:
             cache = self.engine.cache
             metrics.track_requests(
@@ -82,16 +80,8 @@ class DecodeWorker:
     # -- handshake ------------------------------------------------------------------------
 
     def register_prefill(self, addresses: Iterable[str]) -> None:
-        """Prefill instances (HOST:PORT) this instance may dial, besides `known_prefill`;
-        the engine handshakes with them now, before their first ticket."""
-        addresses = list(addresses)
+        """Prefill instances (HOST:PORT) this instance may dial, besides `known_prefill`."""
         self.peers.register(addresses)
-        self._prewarm(addresses)
-
-    def _prewarm(self, addresses: Iterable[str]) -> None:
-        setup = self.engine.setup
-        for address in addresses:
-            self.engine.call_soon(lambda a=address: setup.prewarm(a))
 
     def peer(self, address: str, instance_id: str = "") -> Peer:
         """The handshaken prefill instance at `address`, handshaking now (blocking) if need

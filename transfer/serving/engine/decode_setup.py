@@ -72,16 +72,6 @@ class DecodeSetup:
                 ticket.address, self.engine.instance_id, self.instance.compat, tag=ticket.address
             )
 
-    def prewarm(self, address: str) -> None:
-        """Handshake with a known prefill instance before its first ticket comes, so that no
-        request's exposed transfer pays for connecting (a failure here is only logged: the
-        first request handshakes again)."""
-        if self.peers.get(address) is None and address not in self._handshaking:
-            self._handshaking[address] = []
-            self.engine.peer_client.handshake(
-                address, self.engine.instance_id, self.instance.compat, tag=address
-            )
-
     def _handshaken(self, event: PeerEvent) -> None:
         address = event.address
         if not event.ok:
@@ -110,8 +100,6 @@ class DecodeSetup:
         self.engine.add_command(command, added)
 
     def _handshake_failed(self, address: str, error: BaseException) -> None:
-        if not self._handshaking.get(address):
-            logger.info("handshake with %s: %s (the first request tries again)", address, error)
         for request in self._handshaking.pop(address, []):
             if not self.engine.is_ending(request):
                 self.engine.finish(request, error)
