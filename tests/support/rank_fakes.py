@@ -24,5 +24,15 @@ class Sleep(RankCommand[float]):
         return self.seconds
 
 
+@dataclass(frozen=True)
+class Refuse(RankCommand[None]):
+    """Fails its checks, as a command given bad input does."""
+
+    reason: str
+
+    def apply(self, worker) -> None:
+        raise ValueError(self.reason)
+
+
 def build(spec, group) -> object:
     return object()

@@ -65,5 +65,10 @@ def start_decode(config: InstanceConfig, name: str, prefills: list[Side]) -> Sid
     worker = DecodeWorker(
         instance, name, ClientOptions(timeout_s=60.0), known_prefill=[p.address for p in prefills]
     )
-    server = serve(address, decode=worker.decode, register_prefill=worker.register_prefill)
+    server = serve(
+        address,
+        decode=worker.decode,
+        decode_start=worker.start_decode,
+        register_prefill=worker.register_prefill,
+    )
     return Side(instance, worker, server, address)

@@ -127,23 +127,16 @@ def test_a_dead_rank_fails_every_waiting_command():
         link.submit(Echo(9))
 
 
-@dataclass(frozen=True)
-class Step:
-    value: int
-    yields = True  # as DecodeBatch: later commands may go first
-
-
-def test_rank0_lets_commands_overtake_yielding_ones_and_tags_answers():
+def test_rank0_runs_commands_in_arrival_order_and_tags_answers():
     ours, theirs = socket.socketpair()
     control, rank0 = Connection(ours.detach()), Connection(theirs.detach())
     inbox = _Inbox(rank0)
-    for command in (Echo(0), Step(1), Step(2), Echo(3), Echo(4), Step(5)):
-        control.send(command)
-    time.sleep(0.1)  # all six are readable: rank 0 picks among them
-    order = [inbox.next() for _ in range(6)]
-    # non-yielding commands in order first, then the steps in their own order
-    assert [(i, c.value) for i, c in order] == [(0, 0), (3, 3), (4, 4), (1, 1), (2, 2), (5, 5)]
+    for value in range(5):
+        control.send(Echo(value))
+    order = [inbox.next() for _ in range(5)]
+    assert [(i, c.value) for i, c in order] == [(v, v) for v in range(5)]
     control.close()
     index, command = inbox.next()  # the control process is gone
-    assert (index, command) == (6, Stop())
+    assert (index, command) == (5, Stop())
+    assert inbox.next() == (6, Stop())  # and stays gone
     rank0.close()

@@ -1,10 +1,12 @@
 """The server half of DecodeMany: many decodes over one call.
 
-Each started decode runs `decode(request)` on a thread of its own, exactly as a Decode
-call would; its events go to one outbox, and the call's response stream sends everything
-the outbox holds as one `DecodeEvents`. A decode step hands its N picks over at once, so
-they leave in one message or a few, where N Decode streams cost N sends and N wakeups on
-each side (docs/benchmarks.md, "One message per step").
+With a `start` (an engine that takes requests and hands their events over itself), a
+started decode is only submitted: the engine hands each step's events of this call over
+in one batch, which the response stream sends as one `DecodeEvents`, so a step of N
+requests costs one message and no thread per decode. Without one, each decode runs
+`decode(request)` on a thread of its own, exactly as a Decode call would, and the
+response stream sends whatever the outbox holds as one message (docs/benchmarks.md, "One
+message per step").
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import grpc
 
@@ -25,6 +28,13 @@ logger = logging.getLogger(__name__)
 
 _END_OF_CALL = object()
 
+# What an engine hands a sink: (the tag given to `start`, a TokenEvent, or the exception that
+# ended the decode, or None when it ended well), one step's worth at a time.
+SinkItems = list[tuple[Any, Any]]
+# start(request, sink, tag) -> cancel: submit `request`; the engine calls `sink` with its
+# events from the engine's thread; `cancel()` ends it early.
+StartDecode = Callable[[DecodeRequest, Callable[[SinkItems], None], Any], Callable[[], None]]
+
 
 class DecodeManyCall:
     """Serves one DecodeMany call with `decode`."""
@@ -33,14 +43,17 @@ class DecodeManyCall:
         self,
         decode: Callable[[DecodeRequest], Iterable[TokenEvent]],
         draining: threading.Event,
+        start: StartDecode | None = None,
     ) -> None:
         """`draining` set: the server is stopping, so decodes started now end UNAVAILABLE at
         once (as a new Decode call would), and the caller tries another instance."""
         self._decode = decode
+        self._start_decode = start
         self._draining = draining
-        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()  # events, or lists of them
         self._lock = threading.Lock()
         self._running: dict[int, threading.Event] = {}  # stream id -> its cancel flag
+        self._cancels: dict[int, Callable[[], None]] = {}  # stream id -> an engine's cancel
         self._caller_done = False  # the caller sent its last DecodeCall
 
     def serve(
@@ -52,12 +65,13 @@ class DecodeManyCall:
         threading.Thread(target=self._read, args=(calls,), name="decode-many-reader",
                          daemon=True).start()  # fmt: skip
         while True:
-            events = [self._outbox.get()]
+            items = [self._outbox.get()]
             while True:
                 try:
-                    events.append(self._outbox.get_nowait())
+                    items.append(self._outbox.get_nowait())
                 except queue.Empty:
                     break
+            events = [e for item in items for e in (item if isinstance(item, list) else [item])]
             last = events[-1] is _END_OF_CALL
             events = [e for e in events if e is not _END_OF_CALL]
             if events:
@@ -100,6 +114,20 @@ class DecodeManyCall:
         if refusal is not None:
             self._outbox.put(worker_pb2.DecodeEvent(stream_id=stream_id, end=refusal))
             return
+        if self._start_decode is not None:
+            try:
+                cancel = self._start_decode(
+                    convert.decode_request_from_pb(request), self._take, stream_id
+                )
+            except Exception as exc:  # bad input, or the engine is closed
+                self._take([(stream_id, exc)])
+                return
+            with self._lock:
+                if stream_id in self._running:  # not ended already
+                    self._cancels[stream_id] = cancel
+                    if cancelled.is_set():
+                        cancel()
+            return
         threading.Thread(target=self._run, args=(stream_id, request, cancelled),
                          name=f"decode-many-{stream_id}", daemon=True).start()  # fmt: skip
 
@@ -130,17 +158,42 @@ class DecodeManyCall:
             if self._caller_done and not self._running:
                 self._outbox.put(_END_OF_CALL)
 
+    def _take(self, items: SinkItems) -> None:
+        """An engine's events for this call (one step's): sent as one message."""
+        events, ended = [], []
+        for stream_id, item in items:
+            if isinstance(item, TokenEvent):
+                token = convert.token_event_to_pb(item)
+                events.append(worker_pb2.DecodeEvent(stream_id=stream_id, token=token))
+                continue
+            end = worker_pb2.DecodeEnd() if item is None else _end_of(item)
+            events.append(worker_pb2.DecodeEvent(stream_id=stream_id, end=end))
+            ended.append(stream_id)
+        self._outbox.put(events)
+        with self._lock:
+            for stream_id in ended:
+                self._running.pop(stream_id, None)
+                self._cancels.pop(stream_id, None)
+            if ended and self._caller_done and not self._running:
+                self._outbox.put(_END_OF_CALL)
+
     def _cancel(self, stream_id: int) -> None:
         with self._lock:
             cancelled = self._running.get(stream_id)
+            cancel = self._cancels.get(stream_id)
         if cancelled is not None:
             cancelled.set()
+        if cancel is not None:
+            cancel()
 
     def _cancel_all(self) -> None:
         with self._lock:
             flags = list(self._running.values())
+            cancels = list(self._cancels.values())
         for cancelled in flags:
             cancelled.set()
+        for cancel in cancels:
+            cancel()
 
 
 def _end_of(exc: Exception) -> worker_pb2.DecodeEnd:

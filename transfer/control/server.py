@@ -12,6 +12,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from transfer.control.auth import TlsConfig, TokenAuthInterceptor, server_credentials
+from transfer.control.decode_many import StartDecode
 from transfer.control.gen import transfer_pb2, transfer_pb2_grpc, worker_pb2, worker_pb2_grpc
 from transfer.control.service import (
     DecodeServicer,
@@ -148,6 +149,7 @@ def serve(
     decode: Callable[[DecodeRequest], Iterable[TokenEvent]] | None = None,
     generate: Callable[[GenerateRequest], Iterable[TokenEvent]] | None = None,
     register_prefill: Callable[[list[str]], None] | None = None,
+    decode_start: StartDecode | None = None,
     token: str | None = None,
     tls: TlsConfig | None = None,
     max_workers: int = 16,
@@ -158,7 +160,8 @@ def serve(
     `store` + `identity` host TransferService (a prefill instance; `stage` packs a held
     ticket's ranges into staging and returns the extent's offset); `prefill`,
     `decode`, `generate` host the worker and router services with dataclass
-    handlers. `token` requires `authorization: Bearer <token>` on every call
+    handlers (`decode_start`: an engine's submit, which DecodeMany then uses: one message
+    per engine step). `token` requires `authorization: Bearer <token>` on every call
     except health checks; `tls` serves TLS (mTLS when `tls.ca` is set).
     `health_only` allows no other service (a follower node of a multi-node instance).
     """
@@ -189,7 +192,7 @@ def serve(
         services.append(PREFILL_SERVICE)
     if decode is not None:
         worker_pb2_grpc.add_DecodeServiceServicer_to_server(
-            DecodeServicer(decode, register_prefill, draining), server
+            DecodeServicer(decode, register_prefill, draining, decode_start), server
         )
         services.append(DECODE_SERVICE)
     if generate is not None:

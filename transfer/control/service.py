@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Iterator
 import grpc
 
 from transfer.control import convert
-from transfer.control.decode_many import DecodeManyCall
+from transfer.control.decode_many import DecodeManyCall, StartDecode
 from transfer.control.errors import CompatMismatch, GrpcCode, status_of
 from transfer.control.gen import transfer_pb2, transfer_pb2_grpc, worker_pb2, worker_pb2_grpc
 from transfer.control.tickets import TicketStore
@@ -142,8 +142,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
         decode: Callable[[DecodeRequest], Iterable[TokenEvent]],
         register_prefill: Callable[[list[str]], None] | None = None,
         draining: threading.Event | None = None,
+        decode_start: StartDecode | None = None,
     ):
         self._decode = decode
+        self._decode_start = decode_start
         self._register_prefill = register_prefill
         self._draining = draining if draining is not None else threading.Event()
 
@@ -164,7 +166,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
         )
 
     def DecodeMany(self, request_iterator, context):
-        yield from DecodeManyCall(self._decode, self._draining).serve(request_iterator, context)
+        yield from DecodeManyCall(self._decode, self._draining, self._decode_start).serve(
+            request_iterator, context
+        )
 
 
 class RouterServicer(worker_pb2_grpc.RouterServiceServicer):

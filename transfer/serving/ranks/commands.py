@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING
 
 from transfer.control.types import GREEDY, SamplingParams
 from transfer.serving.ranks.rank_protocol import RankCommand
@@ -233,10 +233,8 @@ class DecodeStep:
 class DecodeBatch(RankCommand[tuple[TokenPick, ...]]):
     """One forward step for several requests, each a `DecodeStep` (one token each, distinct
     slots and blocks): one all-reduce per sublayer for the whole batch. Answers their picks
-    in order. A batch that fails its checks runs nothing. It yields to commands behind it
-    (`RankCommand.yields`): the decode batcher sends the next step before this one ends."""
+    in order. A batch that fails its checks runs nothing."""
 
-    yields: ClassVar[bool] = True
     steps: tuple[DecodeStep, ...]
 
     def apply(self, worker: RankWorker) -> tuple[TokenPick, ...]:

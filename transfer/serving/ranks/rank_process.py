@@ -19,7 +19,6 @@ import sys
 import threading
 import time
 import traceback
-from collections import deque
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -111,34 +110,20 @@ def _serve(rank: int, group, conn: Connection | None, worker, ready) -> None:
 
 
 class _Inbox:
-    """Rank 0's commands: each answer is sent with the index of its command in arrival
-    order, since a command that `yields` lets the commands behind it go first."""
+    """Rank 0's commands, run in arrival order; each answer is sent with the index of its
+    command, which the control side files it under."""
 
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
         self.received = 0
-        self.waiting: deque[tuple[int, Any]] = deque()
         self.stopped = False  # a Stop came: read nothing more
 
     def next(self) -> tuple[int, Any]:
         """The next command to run and its index (Stop once the control process is gone)."""
-        while not self.stopped and (not self.waiting or self._readable()):
-            command = _receive(self.conn)
-            self.stopped = isinstance(command, Stop)
-            self.waiting.append((self.received, command))
-            self.received += 1
-        first = next(
-            (i for i, (_, c) in enumerate(self.waiting) if not getattr(c, "yields", False)), 0
-        )
-        item = self.waiting[first]
-        del self.waiting[first]
-        return item
-
-    def _readable(self) -> bool:
-        try:
-            return self.conn.poll(0)
-        except (EOFError, OSError):
-            return False
+        command = Stop() if self.stopped else _receive(self.conn)
+        self.stopped = isinstance(command, Stop)
+        index, self.received = self.received, self.received + 1
+        return index, command
 
 
 def _receive(conn: Connection):

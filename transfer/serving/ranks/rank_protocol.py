@@ -9,7 +9,7 @@ raised answers a `RankFailure` instead, which the control side raises as a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from transfer.errors import (
     CapacityError,
@@ -27,15 +27,8 @@ R = TypeVar("R")
 
 
 class RankCommand(Generic[R]):
-    """A command every rank runs; `R` is what one rank answers.
-
-    Rank 0 runs commands in the order it received them, except that a command which
-    `yields` lets any later command that does not yield run before it: a pipelined decode
-    step waiting at the rank never holds up a transfer's poll. Commands of one thread stay
-    in order as long as a thread that sends yielding commands sends only those.
-    """
-
-    yields: ClassVar[bool] = False
+    """A command every rank runs; `R` is what one rank answers. Rank 0 runs commands in the
+    order it received them."""
 
     def apply(self, worker: Any) -> R:
         raise NotImplementedError

@@ -75,9 +75,8 @@ class RankLink:
     """The control side of the connection to rank 0: typed calls with timeouts.
 
     Commands may be pipelined: `submit` sends one without waiting, so a command can wait
-    at the rank while the one before it runs. Rank 0 tags each answer with its command's
-    index in arrival order (a yielding command may be answered after later ones). Any
-    thread may wait for any pending command; one thread at a time reads the connection
+    at the rank while the one before it runs. Rank 0 runs them in arrival order and tags
+    each answer with its command's index. Any thread may wait for any pending command; one thread at a time reads the connection
     and files each answer under its command.
     """
 
@@ -277,8 +276,7 @@ class RankGroup:
 
     def submit(self, command: RankCommand[R]) -> Pending[R]:
         """Send `command` to every rank of the group; its answer comes from `.result()`.
-        Commands run in the order they were sent, except that one which `yields` lets
-        later ones go first (`RankCommand`)."""
+        Commands run in the order they were sent."""
         if self.link is None:
             raise RankGroupDead("only the node holding rank 0 commands the group")
         return self.link.submit(command)

@@ -223,6 +223,7 @@ def _serve_worker(
             server = serve_control(
                 bind,
                 decode=worker.decode,
+                decode_start=worker.start_decode,
                 register_prefill=worker.register_prefill,
                 token=token,
                 tls=server_tls,

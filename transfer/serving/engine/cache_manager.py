@@ -1,0 +1,187 @@
+"""A decode instance's cache, behind one `release(request)`: the pools, the prefix cache,
+the staging pool, admission, and the held set (caches whose failed READs may still land).
+
+Only the engine thread calls it. Ranks are never called from here: what a step must tell
+them (end a transfer, ask whether a held one settled, release a slot) is handed back as
+rank commands for the engine's next step, and their answers come back through `ended` and
+`settled`. Commands run in the order the engine sends them, so a slot released in step k is
+free on the ranks before any transfer of step k or later reuses it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from transfer.cache.pools import CacheFullError
+from transfer.errors import CapacityError, DeadlineExceeded, InvalidInput, TransferFailed
+from transfer.serving.engine.instance import Instance
+from transfer.serving.engine.request import DecodePhase, Request
+from transfer.serving.ranks.commands import Release, TransferEnd, TransferSettled
+from transfer.serving.ranks.rank_protocol import RankCommand
+
+logger = logging.getLogger(__name__)
+
+ACQUIRED_WAIT_S = 5.0  # longest wait for room while holding a ticket
+SETTLE_POLL_S = 0.5  # how often held caches of failed transfers are asked about
+
+
+class CacheManager:
+    """Admits requests into the pools and takes their caches back."""
+
+    def __init__(self, instance: Instance, wait_s: float = ACQUIRED_WAIT_S) -> None:
+        self.instance = instance
+        self.pools = instance.pools
+        self.prefix = instance.prefix
+        self.staging = instance.staging
+        self.wait_s = wait_s
+        self.max_queue = instance.config.max_queue
+        self.waiting: list[Request] = []  # acquired, waiting for room, oldest first
+        self.held: dict[str, Request] = {}  # request id -> a request whose READs may land
+        self._ending: list[Request] = []  # released: their transfer's end is still to ask
+        self._asked: list[Request] = []  # TransferEnd sent, answer not in yet
+        self._commands: list[RankCommand] = []  # frees for the next step
+        self._freed: list[Request] = []  # freed by the commands above
+        self._last_settle_poll = 0.0
+
+    # -- admission ------------------------------------------------------------------------
+
+    def admit(self, request: Request, total_tokens: int) -> bool:
+        """Blocks for `total_tokens` and a slot for `request` (True), or False while it waits
+        for room. Raises when it can never fit (InvalidInput), when the queue is full
+        (CapacityError), when it waited too long (DeadlineExceeded), or when a cache under its
+        id is still held (TransferFailed: this attempt moved nothing)."""
+        rid = request.request_id
+        if rid in self.held:  # a retry under its id, while the last one's READs may land
+            raise TransferFailed(
+                f"request_id {rid!r}: an earlier transfer under this id may still move "
+                "bytes, and its cache is held until it settles",
+                settled=True,
+            )
+        need, total = self.pools.blocks_for(total_tokens), self.pools.blocks.num_total
+        if need > total:
+            raise InvalidInput(
+                f"num_tokens: {total_tokens} tokens need {need} KV blocks of "
+                f"{self.pools.block_size}; this instance has {total} in all (--gpu-mem)"
+            )
+        ticket, held = request.ticket, ()
+        if self.prefix is not None and ticket.block_hashes:
+            # the state always crosses whole, so every full prompt block counts
+            held = self.prefix.match(ticket.block_hashes, ticket.num_tokens, rid, False).block_ids
+        try:
+            cache = self.pools.allocate(rid, total_tokens, held)
+        except CacheFullError:
+            if held:
+                self.pools.blocks.free_request(rid)
+            return self._wait(request)
+        except BaseException:
+            if held:
+                self.pools.blocks.free_request(rid)
+            raise
+        if request in self.waiting:
+            self.waiting.remove(request)
+        request.blocks, request.slot = tuple(cache.block_ids), cache.slot_ids[0]
+        request.held_prefix = len(held)
+        return True
+
+    def _wait(self, request: Request) -> bool:
+        now = time.monotonic()
+        if request not in self.waiting:
+            if len(self.waiting) >= self.max_queue:
+                raise CapacityError(
+                    f"request {request.request_id!r}: no room, and {len(self.waiting)} "
+                    f"requests already wait (--max-queue {self.max_queue})"
+                )
+            request.waited_since = now
+            self.waiting.append(request)
+        elif now - request.waited_since > self.wait_s:
+            self.waiting.remove(request)
+            raise DeadlineExceeded(
+                f"request {request.request_id!r}: no room within {self.wait_s:g}s"
+            )
+        return False
+
+    def forget_waiting(self, request: Request) -> None:
+        if request in self.waiting:
+            self.waiting.remove(request)
+
+    # -- release --------------------------------------------------------------------------
+
+    def release(self, request: Request) -> None:
+        """Take `request`'s cache back, whatever ended it (done, failure, cancel). Once no
+        READ of it can still land, its slot is released on the ranks and its blocks and
+        slot go back to the pools; until then it is HELD (docs/bugs.md #14)."""
+        self.forget_waiting(request)
+        if request.slot < 0:  # it never had a cache
+            self._done(request)
+        elif request.transfer_started:
+            self._ending.append(request)
+        else:
+            self._free(request)
+
+    def commands(self) -> tuple[list[RankCommand], list[Request]]:
+        """The frees the next step carries, and the requests whose transfer's end it must
+        ask (`end_command`; their answers go to `ended`)."""
+        commands, self._commands = self._commands, []
+        ending, self._ending = self._ending, []
+        self._asked += ending
+        for request in self._freed:
+            request.released.set()
+        self._freed = []
+        return commands, ending
+
+    def settle_polls(self) -> list[Request]:
+        """Held requests to ask about this step (every SETTLE_POLL_S)."""
+        now = time.monotonic()
+        if not self.held or now - self._last_settle_poll < SETTLE_POLL_S:
+            return []
+        self._last_settle_poll = now
+        return list(self.held.values())
+
+    @staticmethod
+    def end_command(request: Request) -> RankCommand:
+        """Forget its transfer; answers whether none of its READs can still land."""
+        return TransferEnd(request.request_id)
+
+    @staticmethod
+    def settle_command(request: Request) -> RankCommand:
+        return TransferSettled(request.request_id)
+
+    def ended(self, request: Request, settled: bool) -> None:
+        """The ranks' answer to the request's TransferEnd: free, or hold until settled."""
+        self._asked.remove(request)
+        if settled:
+            self._free(request)
+        else:
+            logger.warning("transfer of %r may still move bytes: holding its cache until settled",
+                           request.request_id)  # fmt: skip
+            request.phase = DecodePhase.HELD
+            self.held[request.request_id] = request
+            request.released.set()  # no step touches it any more
+
+    def settled(self, request: Request, settled: bool) -> None:
+        if settled and self.held.pop(request.request_id, None) is not None:
+            self._free(request)
+
+    def _free(self, request: Request) -> None:
+        """Release the slot on the ranks (in the next step) and the cache in the pools now:
+        anything that reuses them is sent after that Release."""
+        rid = request.request_id
+        self.staging.free(rid)
+        self._commands.append(Release(request.slot))
+        self.pools.free(rid)
+        self._freed.append(request)  # `released` once its Release is handed to a step
+        request.phase = DecodePhase.DONE
+
+    def _done(self, request: Request) -> None:
+        self.staging.free(request.request_id)
+        request.phase = DecodePhase.DONE
+        request.released.set()
+
+    @property
+    def busy(self) -> bool:
+        """Whether frees or ends are still to be sent or answered."""
+        return bool(self._commands or self._ending or self._asked or self._freed)
+
+    def held_requests(self) -> list[str]:
+        return sorted(self.held)

@@ -1,0 +1,417 @@
+"""The decode instance's engine: one loop thread that alone commands the ranks.
+
+Each step it takes the requests that arrived, handles what the prefill instances answered
+(PeerClient events: handshakes, acquires, heartbeats, releases, aborts), admits requests
+into the cache, and sends ONE rank command (`EngineStep`) carrying the step's frees, ends
+of transfers, transfer starts, posts and polls, snapshots and the decode batch. When the
+answer comes back it moves each request on: a finished transfer releases its ticket and
+emits token 0, a decode pick goes to its request's `out`, and an ended request's cache
+goes back through the cache manager's `release`.
+
+Steps are pipelined (`PIPELINE_DEPTH`): the next step is sent before the current one's
+answer is back, naming no token for the requests it continues (the rank feeds what it just
+picked), so the ranks go from one step to the next without a round trip through here. The
+ranks run the steps in the order they were sent: nothing overtakes anything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from transfer.control.client import ClientOptions
+from transfer.control.metrics import WorkerMetrics
+from transfer.control.peer_client import PeerClient, PeerEvent
+from transfer.control.types import DecodeRequest, TokenEvent
+from transfer.errors import Cancelled, Closed, PdxferError, TransferFailed
+from transfer.serving.engine.cache_manager import SETTLE_POLL_S, CacheManager
+from transfer.serving.engine.decode_setup import DecodeSetup
+from transfer.serving.engine.instance import Instance
+from transfer.serving.engine.request import END, DecodePhase, Request
+from transfer.serving.engine.step import Answer, EngineStep, SentStep, StepPlan
+from transfer.serving.engine.transfers import Outcome
+from transfer.serving.ranks.commands import DecodeBatch, DecodeStep, TransferPoll
+from transfer.serving.ranks.rank_protocol import same_on_every_rank
+
+logger = logging.getLogger(__name__)
+
+PIPELINE_DEPTH = 2  # steps at the ranks at once: one runs while the next waits there
+IDLE_WAIT_S = 1.0  # an idle loop still wakes this often (held caches, admission waits)
+STEP_TIMEOUT_S = 300.0
+
+
+class DecodeEngine:
+    """Runs every decode request of one instance on one thread."""
+
+    def __init__(
+        self,
+        instance: Instance,
+        instance_id: str,
+        options: ClientOptions,
+        metrics: WorkerMetrics | None = None,
+        transfer_deadline_s: float = 60.0,
+        known_prefill=(),
+    ) -> None:
+        self.instance = instance
+        self.instance_id = instance_id
+        self.metrics = metrics
+        self.max_num_seqs = instance.config.max_seqs
+        self.transfer_deadline_s = transfer_deadline_s
+        self.heartbeat_s: float | None = None  # None: a third of the lease
+        self.cache = CacheManager(instance)
+        self._wake = threading.Event()
+        self.peer_client = PeerClient(instance_id, options, max_workers=8, on_event=self._wake.set)
+        self.setup = DecodeSetup(self, options, known_prefill)
+        self._new: queue.SimpleQueue[Request] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._planner_pool = ThreadPoolExecutor(2, thread_name_prefix="decode-plan")
+        self.active: list[Request] = []  # every request not yet DONE and delivered
+        self._finishing: list[Request] = []  # ended; its stream ends once its cache is back
+        self._pending_commands: list[tuple] = []  # (command, handler) for the next step
+        self._sent: deque[SentStep] = deque()
+        self.steps = 0  # steps sent: tests and metrics count in steps, not seconds
+        self.decode_steps = 0  # of those, steps that carried a decode batch
+        self._last_answer_at = 0.0
+        self._outgoing: dict[object, list] = {}  # sink -> this step's items for it
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="decode-engine", daemon=True)
+        self._thread.start()
+
+    # -- called from other threads --------------------------------------------------------
+
+    def submit(self, decode: DecodeRequest, sink=None, tag=None) -> Request:
+        """Start `decode`; its events arrive on the returned request's `out`, or, with a
+        `sink`, as `sink([(tag, item), ...])` once per step (`Request.sink`)."""
+        request = Request(decode, sink=sink, sink_tag=tag)
+        if sink is not None:
+            request.consumer_ready = True  # a sink takes every event as it comes
+        if self._closed:
+            raise Closed("decode engine: the instance is shutting down")
+        self._new.put(request)
+        self._wake.set()
+        return request
+
+    def cancel(self, request: Request) -> None:
+        """The consumer went away: end the request (its cache goes back within a step or two)."""
+        request.cancelled = True
+        self._wake.set()
+
+    def consumer_ready(self, request: Request) -> None:
+        """The consumer asked for the tokens after token 0: the request may start decoding."""
+        if not request.consumer_ready:
+            request.consumer_ready = True
+            self._wake.set()
+
+    def call_soon(self, job: Callable[[], None]) -> None:
+        """Run `job` on the engine thread at the start of its next step."""
+        if self._closed:
+            raise Closed("decode engine: the instance is shutting down")
+        self._inbox.put(job)
+        self._wake.set()
+
+    def add_command(self, command, handler: Callable[[Answer], None] | None = None) -> None:
+        """Engine thread only: send `command` in the next step."""
+        self._pending_commands.append((command, handler))
+
+    @property
+    def num_running(self) -> int:
+        return sum(1 for r in list(self.active) if r.phase is DecodePhase.RUNNING)
+
+    def held_requests(self) -> list[str]:
+        return sorted(list(self.cache.held))
+
+    # -- the loop -------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        try:
+            while not self._closed:
+                self._intake()
+                self._flush()
+                plan = self._build_step() if len(self._sent) < PIPELINE_DEPTH else None
+                if plan:
+                    self._send(plan)
+                    if plan.decode_batch and len(self._sent) < PIPELINE_DEPTH:
+                        continue  # fill the pipeline before waiting on it
+                if self._sent:
+                    self._sent.popleft().answer(STEP_TIMEOUT_S)
+                    self._after_answer()
+                    self._flush()  # the step's events: one batch per sink
+                elif not plan:
+                    self._wake.wait(self._idle_wait())
+                    self._wake.clear()
+        except Exception:  # noqa: BLE001 - a bug must not leave every stream hanging
+            logger.exception("decode engine: the loop failed")
+        finally:
+            self._shut_down()
+
+    def _intake(self) -> None:
+        while True:
+            try:
+                request = self._new.get_nowait()
+            except queue.Empty:
+                break
+            self.active.append(request)
+            self.setup.start(request)
+        while True:
+            try:
+                job = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            job()
+        for event in self.peer_client.drain():
+            self._on_peer_event(event)
+        now = time.perf_counter()
+        for request in list(self.active):
+            self._advance(request, now)
+        self._deliver_finished()
+
+    def _idle_wait(self) -> float:
+        if any(r.phase is DecodePhase.TRANSFERRING for r in self.active):
+            return 0.0005
+        if self.cache.waiting or self.cache.busy or self._pending_commands:
+            return 0.005
+        if self.cache.held:
+            return SETTLE_POLL_S / 5
+        return IDLE_WAIT_S
+
+    def _advance(self, request: Request, now: float) -> None:
+        """Move `request` on as far as this step allows."""
+        if request in self._finishing:
+            return
+        if request.cancelled and not self.setup.busy(request):
+            self.finish(request, Cancelled("decode: the caller went away"))
+            return
+        if request.phase is DecodePhase.ACQUIRED and request.slot < 0:
+            self.setup.admit(request)
+        elif request.phase is DecodePhase.TRANSFERRING and request.transfer is not None:
+            transfer = request.transfer
+            if transfer.outcome is Outcome.PENDING and now > transfer.deadline > 0:
+                self._transfer_failed(request, f"not done within {self.transfer_deadline_s:g}s")
+            elif transfer.wants_poll(now):
+                transfer.polling = True
+                self.add_command(TransferPoll(request.request_id),
+                                 lambda a, r=request: self.on_poll(r, a))  # fmt: skip
+
+    # -- building and sending a step ------------------------------------------------------
+
+    def _build_step(self) -> StepPlan:
+        plan = StepPlan(self.steps)
+        frees, ending = self.cache.commands()
+        for command in frees:
+            plan.add(command)
+        for request in ending:
+            plan.add(self.cache.end_command(request), lambda a, r=request: self._on_end(r, a))
+        for request in self.cache.settle_polls():
+            plan.add(self.cache.settle_command(request),
+                     lambda a, r=request: self.cache.settled(r, _all_true(a)))  # fmt: skip
+        pending, self._pending_commands = self._pending_commands, []
+        for command, handler in pending:
+            plan.add(command, handler)
+        batch = [r for r in self.active if r.wants_step and r not in self._finishing]
+        batch = batch[: self.max_num_seqs]
+        if batch:
+            steps = tuple(self._next_decode_step(r) for r in batch)
+            for request in batch:
+                request.scheduled += 1
+            plan.add(DecodeBatch(steps), lambda a, b=batch, p=plan: self._on_picks(b, a, p.sent_at))
+            plan.decode_batch = len(batch)
+        return plan
+
+    def _next_decode_step(self, request: Request) -> DecodeStep:
+        k = request.scheduled
+        token = request.last_token if k == request.delivered else None
+        ticket = request.ticket
+        return DecodeStep(token, ticket.num_tokens + k, request.blocks, request.slot,
+                          request.decode.sampling, 1 + k)  # fmt: skip
+
+    def _send(self, plan: StepPlan) -> None:
+        try:
+            pending = self.instance.ranks.submit(EngineStep(tuple(plan.commands)))
+        except PdxferError as exc:  # the group is gone: every command failed
+            for handler in plan.handlers:
+                handler(exc)
+            return
+        plan.sent_at = time.perf_counter()
+        self.steps += 1
+        if plan.decode_batch:
+            self.decode_steps += 1
+        self._sent.append(SentStep(plan, pending))
+
+    def _after_answer(self) -> None:
+        self._deliver_finished()
+
+    def emit(self, request: Request, item) -> None:
+        """Hand `item` (a TokenEvent, END or an exception) to the request's consumer."""
+        if request.sink is None:
+            request.out.put(item)
+        else:
+            tagged = (request.sink_tag, None if item is END else item)
+            self._outgoing.setdefault(request.sink, []).append(tagged)
+
+    def _flush(self) -> None:
+        outgoing, self._outgoing = self._outgoing, {}
+        for sink, items in outgoing.items():
+            try:
+                sink(items)
+            except Exception:  # noqa: BLE001 - one consumer's bug must not stop the engine
+                logger.exception("decode engine: a sink failed")
+
+    # -- answers --------------------------------------------------------------------------
+
+    def on_poll(self, request: Request, answer: Answer) -> None:
+        transfer = request.transfer
+        if request in self._finishing or transfer is None:
+            return
+        if isinstance(answer, BaseException):  # the command itself failed on a rank
+            transfer.polling = False
+            transfer.fail(str(answer))
+            if self.metrics is not None:
+                self.metrics.record_transfer("failed", transfer.seconds, None, 0)
+            self.finish(request, answer)
+            return
+        post = transfer.advance(request.request_id, answer)
+        if post is not None:
+            self.add_command(post, lambda a, r=request: self._on_post(r, a))
+        if transfer.outcome is Outcome.FAILED:
+            self._transfer_failed(request, transfer.failure)
+        elif transfer.outcome is Outcome.DONE:
+            self.setup.transferred(request)
+
+    def heartbeat_failed(self, request: Request, error: BaseException) -> None:
+        """The lease could not be renewed: prefill may reuse the cache being read."""
+        transfer = request.transfer
+        if self.is_ending(request) or request.phase is not DecodePhase.TRANSFERRING:
+            return
+        transfer.fail(str(error))
+        if self.metrics is not None:
+            self.metrics.record_transfer("failed", transfer.seconds, None, 0)
+        self.finish(request, error)
+
+    def is_ending(self, request: Request) -> bool:
+        return request in self._finishing or request not in self.active
+
+    def plan_off_thread(self, job: Callable[[], object]):
+        return self._planner_pool.submit(job)
+
+    def call_soon_quietly(self, job: Callable[[], None]) -> None:
+        """`call_soon`, dropping the job once the engine is closed."""
+        with contextlib.suppress(Closed, RuntimeError):
+            self.call_soon(job)
+
+    def _on_post(self, request: Request, answer: Answer) -> None:
+        if isinstance(answer, BaseException) and request not in self._finishing:
+            self._transfer_failed(request, str(answer))
+
+    def _transfer_failed(self, request: Request, reason: str) -> None:
+        transfer = request.transfer
+        transfer.fail(reason)
+        if self.metrics is not None:
+            self.metrics.record_transfer("failed", transfer.seconds, None, 0)
+        self.setup.peers.forget(transfer.peer.address)
+        request.transfer_failure = (
+            f"transfer of {request.request_id!r} from {transfer.peer.instance_id} failed: "
+            f"{transfer.failure}"
+        )
+        self.finish(request, None)
+
+    def _on_end(self, request: Request, answer: Answer) -> None:
+        if isinstance(answer, BaseException):
+            logger.warning("ending transfer of %r: %s", request.request_id, answer)
+        settled = _all_true(answer)
+        failure = request.transfer_failure
+        if failure and request.error is None:
+            request.error = TransferFailed(failure, settled=settled)
+        self.cache.ended(request, settled)
+
+    def _on_picks(self, batch: list[Request], answer: Answer, sent_at: float) -> None:
+        now = time.perf_counter()
+        if isinstance(answer, BaseException):
+            for request in batch:
+                if request not in self._finishing:
+                    self.finish(request, answer)
+            return
+        try:
+            picks = same_on_every_rank(answer, "decode step")
+        except PdxferError as exc:
+            for request in batch:
+                self.finish(request, exc)
+            return
+        if self.metrics is not None:  # the step ran from when it was sent or the last answer
+            began = max(self._last_answer_at, sent_at)
+            self.metrics.record_decode_step(len(batch), max(0.0, now - began))
+        self._last_answer_at = now
+        for request, pick in zip(batch, picks, strict=True):
+            request.delivered += 1
+            request.last_token = pick.token
+            if request in self._finishing or request.cancelled:
+                continue
+            index = request.delivered
+            last = index == request.last_index
+            self.emit(request, TokenEvent(request.request_id, pick.token, index,
+                                          finished=last, logprob=pick.logprob))  # fmt: skip
+            if last:
+                self.finish(request, None)
+
+    # -- the end of a request -------------------------------------------------------------
+
+    def finish(self, request: Request, error: BaseException | None) -> None:
+        """End `request`: abort its ticket if still open, give its cache back; its stream
+        ends (with `error`, if any) once both are done."""
+        if request in self._finishing:
+            return
+        if error is not None and request.error is None:
+            request.error = error
+        self._finishing.append(request)
+        self.setup.end_ticket(request)
+        self.cache.release(request)
+
+    def _deliver_finished(self) -> None:
+        for request in list(self._finishing):
+            back = (
+                request.phase in (DecodePhase.DONE, DecodePhase.HELD) and request.released.is_set()
+            )
+            if not back or self.setup.busy(request):
+                continue
+            self._finishing.remove(request)
+            if request in self.active:
+                self.active.remove(request)
+            self.emit(request, request.error if request.error is not None else END)
+
+    def _on_peer_event(self, event: PeerEvent) -> None:
+        self.setup.on_event(event)
+
+    # -- shutting down --------------------------------------------------------------------
+
+    def close(self) -> None:
+        self._closed = True
+        self._wake.set()
+        self._thread.join(30)
+        self._planner_pool.shutdown(wait=False, cancel_futures=True)
+        self.peer_client.close(wait=False)
+        self.setup.peers.close()
+
+    def _shut_down(self) -> None:
+        self._closed = True
+        for sent in list(self._sent):
+            sent.answer(STEP_TIMEOUT_S)
+        self._sent.clear()
+        while True:
+            try:
+                self.active.append(self._new.get_nowait())
+            except queue.Empty:
+                break
+        for request in self.active:
+            self.emit(request, Closed("decode engine: the instance is shutting down"))
+            request.released.set()
+        self.active.clear()
+        self._flush()
+
+
+def _all_true(answer: Answer) -> bool:
+    return not isinstance(answer, BaseException) and all(answer)

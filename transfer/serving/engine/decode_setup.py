@@ -1,0 +1,280 @@
+"""What a decode request goes through before it runs, on the engine thread: handshake with
+its prefill instance (once per instance), Acquire its ticket, room in the cache, its READs
+planned (a whole transfer plans and stages off the engine thread; a stream plans as the
+prefill publishes progress), the transfer started and, once DONE, its ticket Released and
+token 0 sent. Every call to a prefill instance goes through PeerClient: its answer comes back
+as an event (`on_event`), never blocking the loop."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from concurrent.futures import Future
+from typing import TYPE_CHECKING
+
+from transfer.cache.layout import Layout
+from transfer.control.client import ClientOptions, TransferClient
+from transfer.control.errors import NotPermitted
+from transfer.control.peer_client import PeerEvent, PeerOp
+from transfer.control.types import TokenEvent
+from transfer.errors import InvalidInput, PdxferError, PeerUnavailable
+from transfer.serving.engine.peers import Peer, PeerTable, unreachable
+from transfer.serving.engine.reads import plan_reads, transfer_request
+from transfer.serving.engine.request import DecodePhase, Request
+from transfer.serving.engine.stream import StreamPlanner, progress_entries
+from transfer.serving.engine.transfers import STREAM_HEARTBEAT_S, Transfer
+from transfer.serving.ranks.commands import AddPeers, Snapshot, StreamSource
+from transfer.serving.ranks.progress import TransferMode
+from transfer.serving.ranks.spec import RankReads
+from transfer.serving.role import ServeRole
+
+if TYPE_CHECKING:
+    from transfer.serving.engine.decode_engine import DecodeEngine
+
+logger = logging.getLogger(__name__)
+
+HANDSHAKE_TIMEOUT_S = 10.0
+
+
+class DecodeSetup:
+    def __init__(self, engine: DecodeEngine, options: ClientOptions, known_prefill=()) -> None:
+        self.engine = engine
+        self.instance = engine.instance
+        self.options = options
+        self.peers = PeerTable(known_prefill)
+        self._handshaking: dict[str, list[Request]] = {}  # address -> requests waiting on it
+
+    @staticmethod
+    def busy(request: Request) -> bool:
+        """Whether an answer for `request` must come back before it may end."""
+        return request.waiting_on > 0
+
+    # -- handshake and acquire ------------------------------------------------------------
+
+    def start(self, request: Request) -> None:
+        ticket = request.decode.ticket
+        try:
+            if not ticket.address:
+                raise InvalidInput("ticket.address: the prefill instance's address is required")
+            self.peers.check_known(ticket.address)
+        except (InvalidInput, NotPermitted) as exc:
+            self.engine.finish(request, exc)
+            return
+        peer = self.peers.get(ticket.address, ticket.instance_id)
+        if peer is not None:
+            self._acquire(request, peer)
+            return
+        waiting = self._handshaking.setdefault(ticket.address, [])
+        waiting.append(request)
+        if len(waiting) == 1:
+            self.engine.peer_client.handshake(
+                ticket.address, self.engine.instance_id, self.instance.compat, tag=ticket.address
+            )
+
+    def _handshaken(self, event: PeerEvent) -> None:
+        address = event.address
+        if not event.ok:
+            self._handshake_failed(address, event.error)
+            return
+        reply = event.result
+        layouts = tuple(Layout.from_dict(json.loads(b)) for b in reply.rank_layouts)
+        staging = tuple(layout.staging_offset for layout in layouts)
+        command = AddPeers(reply.instance_id, tuple(reply.rank_metadata), staging)
+
+        def added(answer) -> None:
+            if isinstance(answer, BaseException):
+                self._handshake_failed(
+                    address, PeerUnavailable(f"connecting to {address}: {answer}")
+                )
+                return
+            client = TransferClient(address, token=self.options.token, tls=self.options.tls,
+                                    timeout_s=self.options.timeout_s)  # fmt: skip
+            peer = Peer(reply.instance_id, address, layouts, client)
+            self.peers.add(peer)
+            logger.info("handshake with %s (%s): tp %d", reply.instance_id, address, len(layouts))
+            for request in self._handshaking.pop(address, []):
+                if not self.engine.is_ending(request):
+                    self._acquire(request, peer)
+
+        self.engine.add_command(command, added)
+
+    def _handshake_failed(self, address: str, error: BaseException) -> None:
+        for request in self._handshaking.pop(address, []):
+            if not self.engine.is_ending(request):
+                self.engine.finish(request, error)
+
+    def _acquire(self, request: Request, peer: Peer) -> None:
+        request.peer = peer
+        request.waiting_on += 1
+        self.engine.peer_client.acquire(peer.address, request.request_id, tag=request)
+
+    def _acquired(self, request: Request, event: PeerEvent) -> None:
+        request.waiting_on -= 1
+        if not event.ok:
+            if unreachable(event.error):
+                self.peers.forget(event.address)
+            self.engine.finish(request, event.error)
+            return
+        request.ticket, request.ticket_open = event.result, True
+        if self.engine.is_ending(request):
+            self.end_ticket(request)  # it ended while the Acquire was out
+            return
+        request.phase = DecodePhase.ACQUIRED
+        self.admit(request)
+
+    # -- room and the transfer ------------------------------------------------------------
+
+    def admit(self, request: Request) -> None:
+        """Room for the whole generation; then plan its READs."""
+        ticket, engine = request.ticket, self.engine
+        total = ticket.num_tokens + request.max_tokens - 1  # the last token is never fed back
+        try:
+            admitted = engine.cache.admit(request, total)
+        except (PdxferError, ValueError) as exc:  # full, too long, or held under its id
+            self.end_ticket(request, f"decode {engine.instance_id}: {exc}")
+            engine.finish(request, exc)
+            return
+        prefix = self.instance.prefix
+        if prefix is not None and engine.metrics is not None and ticket.block_hashes:
+            engine.metrics.record_prefix(prefix.counts())
+        if admitted:
+            self._plan(request)
+
+    def _plan(self, request: Request) -> None:
+        ticket, peer, instance = request.ticket, request.peer, self.instance
+        request.prompt_blocks = request.blocks[: instance.layouts[0].blocks_for(ticket.num_tokens)]
+        treq = transfer_request(ticket, request.prompt_blocks, request.slot)
+        reused = request.held_prefix * instance.block_size
+        new_blocks = request.prompt_blocks[request.held_prefix :]
+        if ticket.stream_key:
+            whole = instance.config.transfer_mode is TransferMode.WHOLE
+            planner = StreamPlanner(peer.layouts, instance.layouts, treq, ticket.stream_key,
+                                    reused_tokens=reused, whole=whole)  # fmt: skip
+            source = StreamSource(progress_entries(peer.layouts, ticket.slot_id))
+            no_reads = tuple(RankReads(()) for _ in instance.layouts)
+            self._start_transfer(request, Transfer(peer, no_reads, new_blocks, planner=planner,
+                                                   source=source))  # fmt: skip
+            return
+        request.waiting_on += 1
+        future = self.engine.plan_off_thread(
+            lambda: plan_reads(
+                peer.layouts,
+                instance.layouts,
+                treq,
+                request_id=ticket.request_id,
+                holder=self.engine.instance_id,
+                stager=peer.client,
+                pool=instance.staging,
+                min_small_ranges=instance.config.staging_min_ranges,
+                reused_tokens=reused,
+            )  # fmt: skip
+        )
+        future.add_done_callback(
+            lambda f: self.engine.call_soon_quietly(lambda: self._planned(request, f, new_blocks))
+        )
+
+    def _planned(self, request: Request, future: Future, blocks: tuple[int, ...]) -> None:
+        request.waiting_on -= 1
+        try:
+            reads = future.result()
+        except Exception as exc:  # noqa: BLE001 - e.g. the Stage call failed
+            self.engine.finish(request, exc)
+            return
+        if self.engine.is_ending(request) or request.cancelled:
+            return  # `_advance` ends a cancelled one; its staging goes with its cache
+        ticket = request.ticket
+        transfer = Transfer(request.peer, reads.per_rank, blocks, reads.kv_bytes,
+                            reads.state_bytes, reads.descriptors, ticket.first_token,
+                            ticket.first_logprob)  # fmt: skip
+        self._start_transfer(request, transfer)
+
+    def _start_transfer(self, request: Request, transfer: Transfer) -> None:
+        engine, ticket = self.engine, request.ticket
+        request.transfer, request.phase = transfer, DecodePhase.TRANSFERRING
+        request.transfer_started = True
+        command = transfer.start(request.request_id, request.slot, engine.transfer_deadline_s)
+        engine.add_command(command, lambda answer: engine.on_poll(request, answer))
+        every = engine.heartbeat_s or max(0.2, (ticket.lease_deadline - time.time()) / 3)
+        if transfer.planner is not None:
+            every = min(every, STREAM_HEARTBEAT_S)
+        engine.peer_client.keep_alive(transfer.peer.address, request.request_id, every,
+                                      tag=request)  # fmt: skip
+
+    def transferred(self, request: Request) -> None:
+        """Its transfer is DONE: every READ landed and was unpacked. Release the ticket; the
+        request runs once prefill has it back."""
+        engine, ticket, transfer = self.engine, request.ticket, request.transfer
+        request.exposed_s = transfer.exposed_s(request.arrived)
+        if engine.metrics is not None:
+            moved = {"kv": transfer.kv_bytes, "state": transfer.state_bytes}
+            engine.metrics.record_transfer("done", transfer.seconds, moved,
+                                           transfer.descriptors, request.exposed_s)  # fmt: skip
+        self.instance.staging.free(request.request_id)
+        if self.instance.prefix is not None:
+            self.instance.prefix.insert_prompt(ticket.block_hashes, request.prompt_blocks,
+                                               request.held_prefix)  # fmt: skip
+        if self.instance.config.dump_dir:
+            engine.add_command(Snapshot(request.request_id, ServeRole.DECODE, request.blocks,
+                                        request.slot, ticket.num_tokens))  # fmt: skip
+        engine.peer_client.stop_keep_alive(transfer.peer.address, request.request_id)
+        request.ticket_open = False
+        request.waiting_on += 1
+        engine.peer_client.release(transfer.peer.address, request.request_id, ticket.block_ids,
+                                   ticket.slot_id, tag=request)  # fmt: skip
+
+    def _released(self, request: Request, event: PeerEvent) -> None:
+        request.waiting_on -= 1
+        engine = self.engine
+        if not event.ok:
+            request.ticket_open = True  # not released: abort it
+            engine.finish(request, event.error)
+            return
+        if engine.is_ending(request) or request.cancelled:
+            return
+        ticket, transfer = request.ticket, request.transfer
+        request.last_token = transfer.first_token
+        engine.emit(request, TokenEvent(
+            request.request_id, transfer.first_token, 0, finished=request.max_tokens == 1,
+            ttft_ms=(time.perf_counter() - request.arrived) * 1e3,
+            transfer_ms=transfer.seconds * 1e3, kv_bytes=transfer.kv_bytes,
+            state_bytes=transfer.state_bytes, descriptors=transfer.descriptors,
+            logprob=transfer.first_logprob, cached_prompt_tokens=ticket.cached_tokens,
+            reused_decode_tokens=request.held_prefix * self.instance.block_size,
+            exposed_transfer_ms=request.exposed_s * 1e3,
+        ))  # fmt: skip
+        if request.max_tokens == 1:
+            engine.finish(request, None)
+        else:
+            request.phase = DecodePhase.RUNNING
+
+    # -- the end --------------------------------------------------------------------------
+
+    def end_ticket(self, request: Request, reason: str = "") -> None:
+        """Stop renewing its lease, and Abort its ticket if it is still ours."""
+        engine = self.engine
+        if request.transfer is not None:
+            engine.peer_client.stop_keep_alive(request.transfer.peer.address, request.request_id)
+        if not request.ticket_open:
+            return
+        request.ticket_open = False
+        request.waiting_on += 1
+        reason = reason or f"decode {engine.instance_id} dropped the request"
+        engine.peer_client.abort(request.peer.address, request.request_id,
+                                 request.ticket.abort_key, reason, tag=request)  # fmt: skip
+
+    def on_event(self, event: PeerEvent) -> None:
+        request = event.tag
+        if event.op is PeerOp.HANDSHAKE:
+            self._handshaken(event)
+        elif event.op is PeerOp.ACQUIRE:
+            self._acquired(request, event)
+        elif event.op is PeerOp.RELEASE:
+            self._released(request, event)
+        elif event.op is PeerOp.ABORT:
+            request.waiting_on -= 1
+            if not event.ok:
+                logger.info("abort of %r at %s: %s", request.request_id, event.address,
+                            event.error)  # fmt: skip
+        elif event.op is PeerOp.HEARTBEAT and not event.ok:
+            self.engine.heartbeat_failed(request, event.error)

@@ -1,0 +1,110 @@
+"""One record per request, with its phase. Only the engine thread moves a request from one
+phase to the next; a gRPC handler only submits the request and drains `out`.
+
+Decode:  ACQUIRING -> ACQUIRED -> TRANSFERRING -> RUNNING -> DONE
+                         |            |             |
+                         +------------+-------------+--> HELD (a READ may still land) -> DONE
+Prefill: QUEUED -> ALLOCATED -> PREFILLING -> PUBLISHED (defined here; the prefill side does
+not run on the engine yet).
+"""
+
+from __future__ import annotations
+
+import enum
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from transfer.control.types import DecodeRequest, Ticket
+
+
+class DecodePhase(enum.Enum):
+    ACQUIRING = "acquiring"  # handshaking with its prefill instance, or acquiring the ticket
+    ACQUIRED = "acquired"  # the ticket is ours; waiting for room, or planning its READs
+    TRANSFERRING = "transferring"  # READs posted on the ranks
+    RUNNING = "running"  # in the decode batch
+    HELD = "held"  # ended, but a READ may still land in its cache: kept out of the pools
+    DONE = "done"  # its cache is back in the pools and its stream has ended
+
+
+class PrefillPhase(enum.Enum):
+    QUEUED = "queued"
+    ALLOCATED = "allocated"
+    PREFILLING = "prefilling"
+    PUBLISHED = "published"
+
+
+END = object()  # the last item of a request's `out`, after its last token
+
+
+@dataclass(eq=False)  # compared by identity
+class Request:
+    """A decode request on this instance, from its ticket's arrival to its cache's return.
+
+    It owns what it takes: `blocks` and `slot` (allocated by the cache manager), its staging
+    extent (keyed by `request_id` in the staging pool), the acquired `ticket`, and `out`, the
+    queue its handler drains: TokenEvents, then `END` or the exception that ended it (or
+    `sink`, which gets them a step at a time).
+    """
+
+    decode: DecodeRequest
+    arrived: float = field(default_factory=time.perf_counter)
+    phase: DecodePhase = DecodePhase.ACQUIRING
+    ticket: Ticket | None = None  # the acquired ticket (None until ACQUIRED)
+    ticket_open: bool = False  # acquired and neither released nor aborted yet
+    blocks: tuple[int, ...] = ()
+    slot: int = -1
+    held_prefix: int = 0  # leading blocks the prefix cache already had
+    prompt_blocks: tuple[int, ...] = ()  # the blocks the prompt's KV fills
+    peer: Any = None  # the prefill instance it reads from (`peers.Peer`)
+    transfer: Any = None  # the transfer in flight (`transfers.Transfer`)
+    transfer_started: bool = False  # TransferStart sent: its end must be asked of the ranks
+    exposed_s: float = 0.0  # the transfer as TTFT saw it
+    last_token: int = -1  # the last pick delivered
+    scheduled: int = 0  # decode steps sent to the ranks
+    delivered: int = 0  # of those, steps whose pick came back
+    error: BaseException | None = None
+    transfer_failure: str = ""  # why its transfer failed (the error says once it settled)
+    waiting_on: int = 0  # its calls out (a plan, a peer call) whose answers must come first
+    cancelled: bool = False  # set by the handler's thread when its consumer leaves
+    # Set by the handler's thread once its consumer asks for token 1: decoding starts
+    # then, so token 0 arrives with the cache exactly as transferred (docs/bugs.md #14).
+    consumer_ready: bool = False
+    waited_since: float = 0.0  # when it started waiting for room (time.monotonic())
+    out: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    # Instead of `out`: called on the engine thread with each step's [(sink_tag, item)] of
+    # every request sharing the sink (item: a TokenEvent, the error, or None at the end).
+    sink: Any = None
+    sink_tag: Any = None
+    released: threading.Event = field(default_factory=threading.Event)  # no step touches it
+
+    @property
+    def request_id(self) -> str:
+        return self.decode.ticket.request_id
+
+    @property
+    def address(self) -> str:
+        return self.decode.ticket.address
+
+    @property
+    def max_tokens(self) -> int:
+        return self.decode.max_tokens
+
+    @property
+    def last_index(self) -> int:
+        """The stream index of its last token."""
+        return self.max_tokens - 1
+
+    @property
+    def wants_step(self) -> bool:
+        """Running, alive, and not yet sent a step for its last token."""
+        alive = self.phase is DecodePhase.RUNNING and self.error is None and not self.cancelled
+        alive = alive and self.consumer_ready
+        return alive and 1 + self.scheduled <= self.last_index
+
+    @property
+    def steps_out(self) -> int:
+        """Its decode steps at the ranks whose picks have not come back."""
+        return self.scheduled - self.delivered
