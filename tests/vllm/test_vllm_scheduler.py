@@ -377,6 +377,21 @@ def test_decode_request_finished_before_vllm_showed_it_still_frees_prefill(conne
     assert wait_for(lambda: released_ids(prefill) or (step(decode) and None), "freed") == ["r10"]
 
 
+def test_a_ticket_covering_the_whole_prompt_is_computed_locally_and_released(connectors):
+    """A ticket that cannot serve the request (it covers the whole prompt, or more) is not
+    read, but prefill still frees its blocks at once, not at lease expiry."""
+    prefill, decode = connectors("prefill-0"), connectors("decode-0")
+    params = finish_prefill(prefill, "r13")  # covers PROMPT - 1 tokens
+    extra = {"kv_transfer_params": params}
+    short = Request("d13", list(range(PROMPT // 2)), SamplingParams(extra_args=extra), None)
+    decode.on_new_request(short)
+    assert decode.get_num_new_matched_tokens(short, 0) == (0, False)  # at once: no waiting
+    assert wait_for(lambda: released_ids(prefill) or (step(decode) and None), "freed") == ["r13"]
+    assert step(decode).loads == []
+    decode.request_finished_all_groups(short, ([], [], [], []))
+    assert wait_for(lambda: step(decode) and decode._scheduler.decode.idle(), "forgotten")
+
+
 def test_frozen_prefill_costs_decode_control_timeout_s_then_local_compute(connectors):
     """A prefill that accepts connections but never answers (SIGSTOPped, say): Acquire gives
     up after the configured control_timeout_s, not the 10 s default, and decode computes."""

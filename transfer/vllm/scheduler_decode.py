@@ -56,6 +56,9 @@ class Pull:
     held: StoreTicket | None = None  # the acquired store ticket: what Release must repeat
     finished: bool = False  # vLLM finished the request (e.g. aborted) before it loaded
     failure_counted: bool = False  # a failed load (the workers count it) or a refused ticket
+    # The ticket cannot serve this request (it covers the whole prompt): acquired only to be
+    # released, so prefill frees its blocks now rather than at lease expiry.
+    release_only: bool = False
 
 
 class DecodeSide:
@@ -90,7 +93,7 @@ class DecodeSide:
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         pull = self._track(request)
-        if pull is None:
+        if pull is None or pull.release_only:
             return 0, False
         self.poll()
         if pull.phase is PullPhase.ACQUIRING:
@@ -200,17 +203,19 @@ class DecodeSide:
         except InvalidInput as exc:
             logger.warning("request %s: ignoring its pdxfer ticket: %s", request.request_id, exc)
             return None
+        pull = Pull(request.request_id, ticket)
         if ticket.num_tokens >= request.num_prompt_tokens:
             logger.warning(
-                "request %s: ticket covers %d tokens of a %d-token prompt; computing locally",
+                "request %s (%s): ticket covers %d tokens of a %d-token prompt; computing "
+                "locally and releasing the ticket",
                 request.request_id,
+                request.status,
                 ticket.num_tokens,
                 request.num_prompt_tokens,
             )
-            pull = Pull(request.request_id, ticket, phase=PullPhase.LOCAL)
-        else:
-            pull = Pull(request.request_id, ticket)
-            self._peers.acquire(ticket.control_address, ticket.request_id, tag=request.request_id)
+            pull.release_only = True
+            params[LOADED] = True  # once released, the ticket is never tracked again
+        self._peers.acquire(ticket.control_address, ticket.request_id, tag=request.request_id)
         self._pulls[request.request_id] = pull
         return pull
 
@@ -229,6 +234,13 @@ class DecodeSide:
     def _on_acquire(self, pull: Pull, event: PeerEvent) -> None:
         if pull.phase is not PullPhase.ACQUIRING:
             return
+        if not event.ok and pull.release_only:  # nothing was to be read: not a failure
+            logger.info("request %s: its unused ticket is gone already (%s)", pull.request_id,
+                        event.error)  # fmt: skip
+            pull.phase = PullPhase.LOCAL
+            if pull.finished:
+                del self._pulls[pull.request_id]
+            return
         if not event.ok:
             logger.warning(
                 "request %s: acquiring its cache from %s failed (%s); computing it locally",
@@ -243,6 +255,9 @@ class DecodeSide:
                 del self._pulls[pull.request_id]
             return
         pull.held = event.result
+        if pull.release_only:
+            self._release(pull)
+            return
         mismatch = _mismatch(pull.ticket, pull.held, self._groups)
         if mismatch is not None:
             # A forged or stale ticket: reading its blocks could read another request's cache.
