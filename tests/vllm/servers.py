@@ -135,6 +135,17 @@ def metric_sum(text: str, name: str) -> float:
     return total
 
 
+def assert_pd_equals_colocated(
+    prefill: VllmServer, decode: VllmServer, prompts: list[list[int]], max_tokens: int
+) -> None:
+    """Each prompt's P/D answer through a pdxfer ticket equals decode's own colocated one."""
+    for prompt in prompts:
+        colocated = greedy_completion(decode, prompt, max_tokens)["choices"][0]["token_ids"]
+        response, params = pd_completion(prefill, decode, prompt, max_tokens)
+        assert "pdxfer" in params
+        assert response["choices"][0]["token_ids"] == colocated, len(prompt)
+
+
 def greedy_completion(
     server: VllmServer, prompt_ids: list[int], max_tokens: int, **extra: Any
 ) -> dict:

@@ -20,6 +20,7 @@ from tests.vllm.servers import (
     START_TIMEOUT_S,
     get_text,
     greedy_completion,
+    metric_sum,
     post_json,
     running_vllm,
 )
@@ -38,12 +39,6 @@ FAILED = "vllm:pdxfer_num_failed_transfers_total"
 
 def prompt(k: int, length: int) -> list[int]:
     return [(i * (k + 3) + 7 * k) % 500 + 1 for i in range(length)]
-
-
-def metric(text: str, name: str) -> float:
-    """The sum of `name` over its labels in Prometheus text (0 when absent)."""
-    pattern = re.compile(rf"^{re.escape(name)}(\{{.*\}})? ")
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if pattern.match(line))
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +62,7 @@ def pd_pair(qwen3_next_checkpoint):
 
 
 def prefill_holds_nothing(prefill) -> bool:
-    return metric(get_text(prefill.url + "/metrics"), "vllm:kv_cache_usage_perc") == 0.0
+    return metric_sum(get_text(prefill.url + "/metrics"), "vllm:kv_cache_usage_perc") == 0.0
 
 
 def wait_until(condition, what: str) -> None:
@@ -96,7 +91,7 @@ def test_abandoned_decode_request_frees_prefill_blocks(pd_pair):
     assert not isinstance(gave_up.value, urllib.error.HTTPError)  # a timeout, not a refusal
     wait_until(lambda: prefill_holds_nothing(prefill), "prefill frees the abandoned request")
     prefill_metrics = get_text(prefill.url + "/metrics")
-    assert metric(prefill_metrics, "vllm:pdxfer_num_expired_leases_total") == 0
+    assert metric_sum(prefill_metrics, "vllm:pdxfer_num_expired_leases_total") == 0
     # Decode keeps serving.
     assert greedy_completion(decode, prompt(12, 50), 2)["choices"][0]["token_ids"]
 
@@ -141,7 +136,7 @@ def test_prefill_lost_after_its_step_costs_decode_a_recompute(
     ids = prompt(k, 60)  # under one 384-token block: no prefix-cache hit on decode
     first = greedy_completion(doomed_prefill, ids, 1, kv_transfer_params={"do_remote_decode": True})
     params = first["kv_transfer_params"]
-    failed_before = metric(get_text(decode.url + "/metrics"), FAILED)
+    failed_before = metric_sum(get_text(decode.url + "/metrics"), FAILED)
     os.killpg(doomed_prefill.popen.pid, fault)
     if fault == signal.SIGKILL:
         address = params["pdxfer"]["control_address"]
@@ -153,14 +148,14 @@ def test_prefill_lost_after_its_step_costs_decode_a_recompute(
     colocated = greedy_completion(decode, ids, 3)
     assert answer["choices"][0]["token_ids"] == colocated["choices"][0]["token_ids"]
     wait_until(
-        lambda: metric(get_text(decode.url + "/metrics"), FAILED) == failed_before + 1,
+        lambda: metric_sum(get_text(decode.url + "/metrics"), FAILED) == failed_before + 1,
         "decode counts the failed transfer",
     )
     log = decode.log_path.read_text(errors="replace")
     address = re.escape(params["pdxfer"]["control_address"])
     assert re.search(rf"acquiring its cache from {address} failed \(.*{error}.*computing it", log)
     wait_until(
-        lambda: metric(get_text(decode.url + "/metrics"), "vllm:kv_cache_usage_perc") == 0.0,
+        lambda: metric_sum(get_text(decode.url + "/metrics"), "vllm:kv_cache_usage_perc") == 0.0,
         "decode frees the request's blocks",
     )
     # Decode keeps serving (the colocated request above was one, this is another).

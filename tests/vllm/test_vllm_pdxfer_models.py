@@ -12,10 +12,10 @@ from __future__ import annotations
 import pytest
 
 from tests.vllm.servers import (
+    assert_pd_equals_colocated,
     get_text,
     greedy_completion,
     metric_sum,
-    pd_completion,
     running_pd_pair,
 )
 from transfer.serving.launch.vllm_servers import Connector
@@ -49,11 +49,7 @@ def test_nemotron_h_pd_tokens_equal_colocated(vllm_checkpoint):
         for server in (prefill, decode):
             long = greedy_completion(server, LONG_PROMPT, MAX_TOKENS)["choices"][0]
             assert len(long["token_ids"]) == MAX_TOKENS
-        for prompt in PROMPTS:
-            colocated = greedy_completion(decode, prompt, MAX_TOKENS)["choices"][0]["token_ids"]
-            response, params = pd_completion(prefill, decode, prompt, MAX_TOKENS)
-            assert "pdxfer" in params
-            assert response["choices"][0]["token_ids"] == colocated, len(prompt)
+        assert_pd_equals_colocated(prefill, decode, PROMPTS, MAX_TOKENS)
         metrics = get_text(decode.url + "/metrics")
     moved = metric_sum(metrics, "vllm:pdxfer_bytes_transferred_sum")
     descriptors = metric_sum(metrics, "vllm:pdxfer_num_descriptors_sum")

@@ -5,11 +5,14 @@ tokens, and the transfer's bytes and descriptors (summed over decode ranks) are 
 
 from __future__ import annotations
 
-import re
-
 import pytest
 
-from tests.vllm.servers import get_text, greedy_completion, pd_completion, running_pd_pair
+from tests.vllm.servers import (
+    assert_pd_equals_colocated,
+    get_text,
+    metric_sum,
+    running_pd_pair,
+)
 from transfer.serving.launch.vllm_servers import Connector
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -18,15 +21,6 @@ MAX_TOKENS = 12
 BLOCK = 384  # vLLM's attention block on this model (page unification)
 # 900 tokens: three blocks, the last one partly filled; 300: one partial block only.
 PROMPTS = [[(7 * i + 3) % 500 + 5 for i in range(n)] for n in (900, 300)]
-
-
-def _metric(text: str, name: str) -> float:
-    """The sum of `name` over its labels in Prometheus text (0 when absent)."""
-    total = 0.0
-    for line in text.splitlines():
-        if re.match(rf"^{re.escape(name)}(\{{.*\}})? ", line):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 # A TP-2 side starved the 2-core host: a TP-2 prefill holding a ticket stepped its engine
@@ -44,14 +38,10 @@ def test_pd_tokens_equal_colocated(qwen3_next_checkpoint, prefill_tp, decode_tp)
         qwen3_next_checkpoint, Connector.PDXFER, prefill_tp=prefill_tp, decode_tp=decode_tp
     )
     with pair as (prefill, decode):
-        for prompt in PROMPTS:
-            colocated = greedy_completion(decode, prompt, MAX_TOKENS)["choices"][0]["token_ids"]
-            response, params = pd_completion(prefill, decode, prompt, MAX_TOKENS)
-            assert "pdxfer" in params
-            assert response["choices"][0]["token_ids"] == colocated, len(prompt)
+        assert_pd_equals_colocated(prefill, decode, PROMPTS, MAX_TOKENS)
         metrics = get_text(decode.url + "/metrics")
-    moved = _metric(metrics, "vllm:pdxfer_bytes_transferred_sum")
-    descriptors = _metric(metrics, "vllm:pdxfer_num_descriptors_sum")
+    moved = metric_sum(metrics, "vllm:pdxfer_bytes_transferred_sum")
+    descriptors = metric_sum(metrics, "vllm:pdxfer_num_descriptors_sum")
     print(f"\npdxfer {prefill_tp}->{decode_tp}: {moved:.0f} B in {descriptors:.0f} descriptors")
     # The prompt's tokens (full attention blocks whole, the partial last one's tokens from
     # prefill's stage slots; 2 KV heads, K and V, bf16) plus 3 GDN states (bf16 conv, fp32
