@@ -23,8 +23,8 @@ from transfer.serving.launch.vllm_servers import Connector
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 MAX_TOKENS = 12
-NEMOTRON_BLOCK = 128  # vLLM's attention block on this model (page unification)
-# 300 tokens: three blocks, the last one partly filled; 100: one partial block only. (At 600
+# vLLM's attention block on this model is 128 tokens (page unification). 300 tokens: three
+# blocks, the last one partly filled; 100: one partial block only. (At 600
 # tokens vLLM's own P/D, NixlConnector's as well as this one, gives the same tokens as each
 # other but not colocated's from the 11th on: docs/vllm.md, "Models".)
 PROMPTS = [[(7 * i + 3) % 500 + 5 for i in range(n)] for n in (300, 100)]
@@ -33,12 +33,11 @@ LONG_PROMPT = [(7 * i + 3) % 500 + 5 for i in range(600)]
 
 
 def nemotron_h_bytes(prompt_len: int) -> int:
-    """What the plan reads for one request: the attention blocks holding the prompt minus
-    its last token, whole (2 KV heads, K and V, 128 wide, bf16), plus each Mamba2 layer's
-    conv state (3 steps of 256 + 2 * 32 channels, bf16) and SSM state (4 heads x 64 x 32,
-    fp32), without the page padding."""
-    blocks = -(-(prompt_len - 1) // NEMOTRON_BLOCK)
-    attention = blocks * NEMOTRON_BLOCK * 2 * 2 * 128 * 2
+    """What the plan reads for one request: the prompt minus its last token's KV (full
+    blocks whole, the partial last block's tokens from prefill's stage slot; 2 KV heads, K
+    and V, 128 wide, bf16), plus each Mamba2 layer's conv state (3 steps of 256 + 2 * 32
+    channels, bf16) and SSM state (4 heads x 64 x 32, fp32), without the page padding."""
+    attention = (prompt_len - 1) * 2 * 2 * 128 * 2
     mamba2 = 2 * (3 * (256 + 2 * 32) * 2 + 4 * 64 * 32 * 4)
     return attention + mamba2
 
