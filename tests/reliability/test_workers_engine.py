@@ -58,6 +58,12 @@ def wait_slots_free(decode, timeout_s: float = 30.0) -> None:
         time.sleep(0.05)
 
 
+def per_decode_threads() -> list[str]:
+    """DecodeMany's old path ran a thread per decode stream ("decode-many-<stream id>")."""
+    names = (t.name for t in threading.enumerate())
+    return [n for n in names if n.startswith("decode-many-") and n != "decode-many-reader"]
+
+
 def test_running_requests_share_every_decode_step(pair):
     prefill, decode = pair
     engine, geometry = decode.worker.engine, get_preset(MODEL)
@@ -101,10 +107,10 @@ def test_decode_many_streams_come_from_the_engine_a_step_at_a_time(pair):
         assert refused.value.code == "PERMISSION_DENIED"
         for name, stream in streams.items():
             events = list(stream)
+            assert not per_decode_threads()  # the other streams are still open here
             assert [e.index for e in events] == list(range(MAX_TOKENS)) and events[-1].finished
             tokens = [e.token for e in events]
             assert tokens == reference_generate(geometry, ids[name], MAX_TOKENS), name
     finally:
         client.close()
     wait_slots_free(decode)
-    assert not any(t.name.startswith("decode-many-") for t in threading.enumerate())

@@ -43,7 +43,7 @@ from transfer.serving.ranks.rank_protocol import (
 )
 
 R = TypeVar("R")
-ROOT = str(Path(__file__).resolve().parents[2])
+ROOT = str(Path(__file__).resolve().parents[3])  # the checkout (this is transfer/serving/ranks/)
 RANK_ARGV = (sys.executable, "-m", "transfer.serving.ranks.rank_process")
 STOP_TIMEOUT_S = 10.0
 HEARTBEAT_WINDOW_S = 10 * HEARTBEAT_S  # a rank silent this long is frozen or dead
