@@ -142,7 +142,7 @@ def test_prefill_lost_after_its_step_costs_decode_a_recompute(
 # request's blocks held, and the tests above share that server.
 @pytest.mark.xfail(
     strict=False,
-    reason="intermittent (3 of 6 runs on 2026-12-05): the aborted decode request reaches "
+    reason="intermittent (4 of 7 runs on 2026-12-05): the aborted decode request reaches "
     "vLLM's scheduler as a 1-token prompt, and decode then holds blocks and keeps stepping; "
     "cause not found (docs/vllm.md, Known limits)",
 )
