@@ -234,22 +234,19 @@ class DecodeSide:
     def _on_acquire(self, pull: Pull, event: PeerEvent) -> None:
         if pull.phase is not PullPhase.ACQUIRING:
             return
-        if not event.ok and pull.release_only:  # nothing was to be read: not a failure
-            logger.info("request %s: its unused ticket is gone already (%s)", pull.request_id,
-                        event.error)  # fmt: skip
-            pull.phase = PullPhase.LOCAL
-            if pull.finished:
-                del self._pulls[pull.request_id]
-            return
         if not event.ok:
-            logger.warning(
-                "request %s: acquiring its cache from %s failed (%s); computing it locally",
-                pull.request_id,
-                event.address,
-                event.error,
-            )
-            with self._stats_lock:
-                self._stats.record_failed_transfer()
+            if pull.release_only:  # nothing was to be read: not a failure
+                logger.info("request %s: its unused ticket is gone already (%s)",
+                            pull.request_id, event.error)  # fmt: skip
+            else:
+                logger.warning(
+                    "request %s: acquiring its cache from %s failed (%s); computing it locally",
+                    pull.request_id,
+                    event.address,
+                    event.error,
+                )
+                with self._stats_lock:
+                    self._stats.record_failed_transfer()
             pull.phase = PullPhase.LOCAL
             if pull.finished:
                 del self._pulls[pull.request_id]
