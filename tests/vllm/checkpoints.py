@@ -57,17 +57,32 @@ NEMOTRON_H = {
     "mamba_head_dim": 64,
 }
 
-# Kimi-Linear: KDA heads of 128 and MLA with 128-wide nope / value heads.
+# Kimi-Linear: KDA heads of 128 and MLA with 128-wide nope / value heads; a dense MLP on layer
+# 0, MoE after it, as the published checkpoints. vLLM's own KimiLinearConfig reads the hub's
+# keys only (`linear_attn_config`'s 1-based layer lists, `first_k_dense_replace` /
+# `moe_layer_freq`, `mla_use_nope`), not transformers 5's `layer_types` / `mlp_layer_types`,
+# so the config carries both spellings.
 KIMI_LINEAR = {
     **TINY_HF_CONFIGS["tiny-kimi-linear"],
     "layer_types": [_LINEAR, _LINEAR, _LINEAR, _FULL],
-    "mlp_layer_types": ["dense", "sparse"] * 2,
+    "mlp_layer_types": ["dense", "sparse", "sparse", "sparse"],
+    "first_k_dense_replace": 1,
+    "moe_layer_freq": 1,
+    "mla_use_nope": True,
+    "linear_attn_config": {
+        "kda_layers": [1, 2, 3],
+        "full_attn_layers": [4],
+        "num_heads": 2,
+        "head_dim": 128,
+        "short_conv_kernel_size": 4,
+    },
     "num_hidden_layers": 4,
     "linear_head_dim": 128,
     "linear_num_heads": 2,
     "num_attention_heads": 2,
     "num_key_value_heads": 2,
-    "kv_lora_rank": 128,
+    # Latent 512 + rope 64: vLLM's CPU_MLA decode kernel is built for a 576-wide latent only.
+    "kv_lora_rank": 512,
     "qk_nope_head_dim": 128,
     "qk_rope_head_dim": 64,
     "v_head_dim": 128,
@@ -91,8 +106,22 @@ def write_vllm_checkpoint(name: str, directory: Path, seed: int = 0) -> Path:
     doc = {**VLLM_TINY_CONFIGS[name], "dtype": "bfloat16"}
     doc.pop("transformers_version", None)
     directory.mkdir(parents=True, exist_ok=True)
-    tensors = {key: t.to(torch.bfloat16) for key, t in tiny_tensors(doc, seed).items()}
+    tensors = {
+        _published_name(doc, key): t.to(torch.bfloat16)
+        for key, t in tiny_tensors(doc, seed).items()
+    }
     save_file(tensors, directory / "model.safetensors", {"format": "pt"})
     doc["eos_token_id"] = list(write_tiny_tokenizer(directory, doc["vocab_size"]))
     transformers.AutoConfig.for_model(**doc).save_pretrained(directory)
     return directory
+
+
+def _published_name(config: dict[str, Any], key: str) -> str:
+    """`key` as the published checkpoints spell it: Kimi-Linear's dense MLPs are under
+    "mlp." there (transformers 5 writes every MLP under "block_sparse_moe.")."""
+    if config.get("model_type") != "kimi_linear" or "block_sparse_moe." not in key:
+        return key
+    layer = int(key.split("layers.")[1].split(".")[0])
+    if config["mlp_layer_types"][layer] == "dense":
+        return key.replace("block_sparse_moe.", "mlp.")
+    return key
