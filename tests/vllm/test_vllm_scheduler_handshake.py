@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import socket
 
 import pytest
 
@@ -28,6 +29,8 @@ from tests.vllm.test_vllm_scheduler import (  # noqa: E402
 from transfer.vllm import PdxferConnector  # noqa: E402
 from transfer.vllm.metadata import PrefillPeer, StepMetadata  # noqa: E402
 from transfer.vllm.scheduler_decode import PullPhase  # noqa: E402
+from transfer.vllm.scheduler_peers import HANDSHAKE_TRIES  # noqa: E402
+from transfer.vllm.ticket import Ticket  # noqa: E402
 
 # The scheduler tests' fixtures: a real prefill and decode PdxferConnector over real gRPC.
 base_config = pair.base_config
@@ -123,3 +126,25 @@ def test_request_finished_while_its_handshake_is_pending_frees_prefill(connector
     peers.handshake(address, *rest)  # the answer arrives after all
     wait_for(lambda: step(decode) is not None and sides.idle(), "forgotten")
     assert decode.get_kv_connector_stats() is None  # an abort is not a failure
+
+
+def test_unanswered_handshake_is_sent_again_then_given_up(connectors, monkeypatch):
+    """A prefill that accepts connections but never answers: the Handshake is sent
+    HANDSHAKE_TRIES times in all (each waits control_timeout_s), then forgotten; the request
+    (its Acquire unanswered too) computes locally, counted once."""
+    decode = connectors("decode-0", control_timeout_s=0.3)
+    sent = count_handshakes(decode, monkeypatch)
+    with socket.socket() as frozen:
+        frozen.bind(("127.0.0.1", 0))
+        frozen.listen()  # the kernel accepts; nothing ever reads or answers
+        address = f"127.0.0.1:{frozen.getsockname()[1]}"
+        ticket = Ticket(address, "frozen", ((1,), (2,), (3,), (4,)), PROMPT - 1, 1, "x")
+        req = request("d6", ticket.to_params())
+        decode.on_new_request(req)
+        wait_for(lambda: decode.get_num_new_matched_tokens(req, 0) == (0, False), "local")
+        sides = decode._scheduler.decode
+        wait_for(lambda: (sides.poll() or True) and len(sent) == HANDSHAKE_TRIES, "all tries")
+        wait_for(lambda: (sides.poll() or True) and not sides._prefills._known, "given up")
+    assert sent == [address] * HANDSHAKE_TRIES
+    assert sides.phase("d6") is PullPhase.LOCAL
+    assert decode.get_kv_connector_stats().data["num_failed_transfers"] == [1]
