@@ -23,10 +23,13 @@ BLOCK = 384  # vLLM's attention block on this model (page unification)
 PROMPTS = [[(7 * i + 3) % 500 + 5 for i in range(n)] for n in (900, 300)]
 
 
-# A TP-2 side starved the 2-core host: a TP-2 prefill holding a ticket stepped its engine
-# without pause, its control server missed deadlines and leases lapsed (docs/vllm.md, "Known
-# limits"). Fixed by the idle-hold pause and early renewal retries, not yet run since.
-_TP2_HANGS = pytest.mark.xfail(run=False, reason="TP-2 P/D through PdxferConnector hangs")
+# TP 2 on either side, on the 2-core host (2026-12-05, after decode's handshake moved to the
+# scheduler half): 2 -> 1 passed once and failed once; 1 -> 2 failed twice. In three of those
+# failures decode's engine stalled right after the handshake answered ("No available shared
+# memory broadcast block found in 60 seconds"): a decode rank blocked in `agent.connect`
+# (NIXL loadRemoteMD, UCX endpoint creation) inside start_load_kv, once for 4 minutes until
+# prefill stopped ("UCX endpoint create failed: failed to create ep"). docs/vllm.md, Known limits.
+_TP2_HANGS = pytest.mark.xfail(run=False, reason="TP 2: a decode rank's UCX connect hangs")
 
 
 @pytest.mark.parametrize(

@@ -279,7 +279,7 @@ class PeerClient:
         with self._lock:
             self._events.append(event)
             kept = self._kept.get(key)
-            if kept is not None and event.op is PeerOp.HEARTBEAT and _unanswered(event):
+            if kept is not None and event.op is PeerOp.HEARTBEAT and unanswered(event):
                 kept[1] = min(kept[1], time.monotonic() + kept[0] * RENEWAL_RETRY_SHARE)
             chain = self._chains[key]
             chain.popleft()
@@ -309,7 +309,9 @@ class PeerClient:
             return client
 
 
-def _unanswered(event: PeerEvent) -> bool:
+def unanswered(event: PeerEvent) -> bool:
+    """The call failed without the peer's answer (deadline passed, peer unreachable): trying
+    again may work, unlike a refusal."""
     return event.error is not None and event.error.code in _RETRIED_CODES
 
 

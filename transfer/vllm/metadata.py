@@ -4,7 +4,9 @@
   `set_xfer_handshake_metadata`): each TP rank's `RankHandshake`, which the scheduler half's
   gRPC TransferService answers Handshake with.
 - Scheduler -> workers, every step (`build_connector_meta` / `bind_connector_metadata`):
-  `StepMetadata`, the loads to start on decode and the releases to report on prefill.
+  `StepMetadata`, the loads to start on decode and the releases to report on prefill; with a
+  load from a prefill instance the workers have not read yet, that instance's `PrefillPeer`
+  (the scheduler half handshakes, so no worker ever waits on the control plane).
 
 Plain, picklable dataclasses: vLLM pickles them between its processes.
 """
@@ -51,6 +53,19 @@ class StageSpec:
 
 
 @dataclass(frozen=True)
+class PrefillPeer:
+    """A prefill instance as its Handshake reply describes it, one entry per prefill TP rank.
+
+    layouts: each rank's layout as JSON bytes (`Layout.to_dict()`, as `RankHandshake.layout`).
+    agent_metadata: each rank's transport metadata, for `TransferAgent.connect`.
+    """
+
+    instance_id: str
+    layouts: tuple[bytes, ...]
+    agent_metadata: tuple[bytes, ...]
+
+
+@dataclass(frozen=True)
 class LoadSpec:
     """One request decode pulls: the prefill ticket and where its cache lands locally.
 
@@ -72,8 +87,11 @@ class StepMetadata(KVConnectorMetadata):
     released: request ids whose prefill blocks decode released or whose lease lapsed; each
         worker reports them back as finished sending, and vLLM then frees the blocks.
     stages: prefill's partial last blocks to gather after this step's forward.
+    peers: by control address, the prefill instances this step's loads read that no earlier
+        step's loads did (each announced with the first load that needs it).
     """
 
     loads: list[LoadSpec] = field(default_factory=list)
     released: list[str] = field(default_factory=list)
     stages: list[StageSpec] = field(default_factory=list)
+    peers: dict[str, PrefillPeer] = field(default_factory=dict)

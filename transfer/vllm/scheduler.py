@@ -1,7 +1,8 @@
 """The connector's scheduler half: one instance plays both roles (vLLM's `kv_both`).
 
 Prefill (`PrefillSide`): publishes finished prefills and serves pdxfer's TransferService.
-Decode (`DecodeSide`): acquires tickets through a `PeerClient`, orders loads, releases.
+Decode (`DecodeSide`): handshakes and acquires tickets through a `PeerClient`, orders loads,
+releases.
 Each step's `StepMetadata` carries decode's new loads and prefill's released ids to the workers.
 """
 
@@ -67,6 +68,7 @@ class ConnectorScheduler:
         self.decode = DecodeSide(
             self.peers,
             groups,
+            self.compat,
             heartbeat_s=config.heartbeat_s,
             stats=self._stats,
             stats_lock=self._stats_lock,
@@ -102,10 +104,12 @@ class ConnectorScheduler:
         idle = scheduler_output.total_num_scheduled_tokens == 0
         if idle and self.decode.idle() and self.prefill.only_holding():
             time.sleep(IDLE_HOLD_PAUSE_S)
+        loads, peers = self.decode.take_loads()
         return StepMetadata(
-            loads=self.decode.take_loads(),
+            loads=loads,
             released=self.prefill.take_released(),
             stages=self.prefill.plan_stages(scheduler_output),
+            peers=peers,
         )
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:

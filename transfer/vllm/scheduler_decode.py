@@ -1,15 +1,16 @@
 """The decode role of the connector's scheduler half: one `Pull` record per request that came
 with a pdxfer ticket, moved through its phases on vLLM's scheduler thread.
 
-    ACQUIRING --acquired--> ACQUIRED --blocks allocated--> LOADING --finished_recving--> RELEASING
-        |                      |                                                          |
-        +--failed: LOCAL       +--aborted / nothing to load: RELEASING                   done
-        +--ticket differs from prefill's: RELEASING (vLLM computes the prompt)
+    ACQUIRING --acquired, handshaken--> ACQUIRED --allocated--> LOADING --finished--> RELEASING
+        |                                  |                                          |
+        +--failed: LOCAL                   +--aborted / nothing to load: RELEASING   done
+        +--ticket differs from prefill's, or handshake failed: RELEASING (vLLM computes it)
 
-Acquire (claim the ticket, renew its lease) runs before vLLM is told how many tokens it will
-get, so a dead or unknown prefill costs a recompute, not a failed request. Heartbeats keep the
-lease while the workers read; Release goes out once vLLM reports the load finished (or failed:
-the workers report the bad blocks and vLLM recomputes them).
+Acquire (claim the ticket, renew its lease) and the Handshake with its prefill instance (once
+per address, `scheduler_peers`) run before vLLM is told how many tokens it will get, so a dead,
+unknown or incompatible prefill costs a recompute, not a failed request, and no worker waits on
+the control plane. Heartbeats keep the lease while the workers read; Release goes out once vLLM
+reports the load finished (or failed: the workers report the bad blocks and vLLM recomputes them).
 """
 
 from __future__ import annotations
@@ -17,15 +18,16 @@ from __future__ import annotations
 import enum
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from transfer.control.peer_client import PeerClient, PeerEvent, PeerOp
 from transfer.control.types import Ticket as StoreTicket
 from transfer.errors import InvalidInput
-from transfer.vllm.metadata import LoadSpec
+from transfer.vllm.metadata import LoadSpec, PrefillPeer
 from transfer.vllm.scheduler_groups import TransferGroups
+from transfer.vllm.scheduler_peers import PrefillPeers
 from transfer.vllm.stats import PdxferStats
 from transfer.vllm.ticket import PARAMS_KEY, Ticket
 
@@ -56,6 +58,7 @@ class Pull:
     held: StoreTicket | None = None  # the acquired store ticket: what Release must repeat
     finished: bool = False  # vLLM finished the request (e.g. aborted) before it loaded
     failure_counted: bool = False  # a failed load (the workers count it) or a refused ticket
+    handshake_failed: bool = False  # its prefill's Handshake failed: never read, only released
     # The ticket cannot serve this request (it covers the whole prompt): acquired only to be
     # released, so prefill frees its blocks now rather than at lease expiry.
     release_only: bool = False
@@ -68,6 +71,7 @@ class DecodeSide:
         self,
         peers: PeerClient,
         groups: TransferGroups,
+        compat: Mapping[str, str],
         *,
         heartbeat_s: float,
         stats: PdxferStats,
@@ -75,6 +79,7 @@ class DecodeSide:
     ):
         self._peers = peers
         self._groups = groups
+        self._prefills = PrefillPeers(peers, compat)
         self._heartbeat_s = heartbeat_s
         self._stats = stats
         self._stats_lock = stats_lock
@@ -137,12 +142,13 @@ class DecodeSide:
         )
         request.kv_transfer_params[LOADED] = True
 
-    def take_loads(self) -> list[LoadSpec]:
-        """The loads to start this step. (Held leases renew on PeerClient's own timer, from
-        Acquire until Release, however long a step takes.)"""
+    def take_loads(self) -> tuple[list[LoadSpec], dict[str, PrefillPeer]]:
+        """The loads to start this step, and the prefill instances they read that the workers
+        have not been told of yet. (Held leases renew on PeerClient's own timer, from Acquire
+        until Release, however long a step takes.)"""
         self.poll()
         loads, self._loads = self._loads, []
-        return loads
+        return loads, self._prefills.announce(load.ticket.control_address for load in loads)
 
     def on_finished_recving(
         self, request_ids: set[str], failed_ids: frozenset[str] | set[str] = frozenset()
@@ -165,6 +171,8 @@ class DecodeSide:
         pull.finished = True
         if pull.phase is PullPhase.ACQUIRED:
             self._release(pull)
+        elif pull.phase is PullPhase.ACQUIRING:
+            self._advance(pull)  # acquired, waiting on the handshake: release now
         elif pull.phase is PullPhase.LOCAL:
             del self._pulls[request.request_id]
 
@@ -173,7 +181,7 @@ class DecodeSide:
         return not self._pulls and not self._loads
 
     def has_calls_in_flight(self) -> bool:
-        """An Acquire or Release whose answer must still be applied: vLLM must keep stepping
+        """An Acquire, Handshake or Release whose answer must still be applied: vLLM must keep stepping
         (an aborted request's release goes out only when its Acquire's answer is seen)."""
         return any(
             p.phase in (PullPhase.ACQUIRING, PullPhase.RELEASING) for p in self._pulls.values()
@@ -182,6 +190,9 @@ class DecodeSide:
     def poll(self) -> None:
         """Apply every PeerClient event that arrived."""
         for event in self._peers.drain():
+            if event.op is PeerOp.HANDSHAKE:
+                self._on_handshake(event)
+                continue
             pull = self._pulls.get(event.tag) if isinstance(event.tag, str) else None
             if pull is None:
                 continue
@@ -215,6 +226,8 @@ class DecodeSide:
             )
             pull.release_only = True
             params[LOADED] = True  # once released, the ticket is never tracked again
+        else:
+            self._prefills.ensure(ticket.control_address)
         self._peers.acquire(ticket.control_address, ticket.request_id, tag=request.request_id)
         self._pulls[request.request_id] = pull
         return pull
@@ -238,15 +251,14 @@ class DecodeSide:
             if pull.release_only:  # nothing was to be read: not a failure
                 logger.info("request %s: its unused ticket is gone already (%s)",
                             pull.request_id, event.error)  # fmt: skip
-            else:
+            elif not pull.failure_counted:  # else its handshake failed: counted then
                 logger.warning(
                     "request %s: acquiring its cache from %s failed (%s); computing it locally",
                     pull.request_id,
                     event.address,
                     event.error,
                 )
-                with self._stats_lock:
-                    self._stats.record_failed_transfer()
+                self._count_failure(pull)
             pull.phase = PullPhase.LOCAL
             if pull.finished:
                 del self._pulls[pull.request_id]
@@ -266,17 +278,53 @@ class DecodeSide:
                 pull.ticket.request_id,
                 mismatch,
             )
-            with self._stats_lock:
-                self._stats.record_failed_transfer()
-            pull.failure_counted = True
+            if not pull.failure_counted:
+                self._count_failure(pull)
             self._release(pull)  # releasing makes vLLM compute it (no tokens matched)
             return
-        pull.phase = PullPhase.ACQUIRED
-        self._peers.keep_alive(
-            event.address, pull.ticket.request_id, self._heartbeat_s, tag=pull.request_id
-        )
-        if pull.finished:
+        self._advance(pull)
+        if pull.phase is not PullPhase.RELEASING:  # held until Release, however long that takes
+            self._peers.keep_alive(
+                event.address, pull.ticket.request_id, self._heartbeat_s, tag=pull.request_id
+            )
+
+    def _on_handshake(self, event: PeerEvent) -> None:
+        error = self._prefills.on_handshake(event)
+        waiting = [
+            pull
+            for pull in self._pulls.values()
+            if pull.phase is PullPhase.ACQUIRING
+            and not pull.release_only
+            and pull.ticket.control_address == event.address
+        ]
+        if error is not None:
+            logger.warning(
+                "handshake with %s failed (%s); %d request(s) compute their prompt locally",
+                event.address,
+                error,
+                len(waiting),
+            )
+        for pull in waiting:
+            if error is not None:
+                pull.handshake_failed = True
+                if not pull.failure_counted:
+                    self._count_failure(pull)
+            self._advance(pull)
+
+    def _advance(self, pull: Pull) -> None:
+        """An ACQUIRING pull whose Acquire answered moves on once its prefill's Handshake did:
+        to ACQUIRED, or -- finished meanwhile, or the handshake failed -- to RELEASING."""
+        if pull.phase is not PullPhase.ACQUIRING or pull.held is None:
+            return
+        if pull.finished or pull.handshake_failed:
             self._release(pull)
+        elif self._prefills.ready(pull.ticket.control_address):
+            pull.phase = PullPhase.ACQUIRED
+
+    def _count_failure(self, pull: Pull) -> None:
+        pull.failure_counted = True
+        with self._stats_lock:
+            self._stats.record_failed_transfer()
 
     def _on_heartbeat(self, pull: Pull, event: PeerEvent) -> None:
         if not event.ok:

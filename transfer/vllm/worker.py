@@ -4,8 +4,9 @@ Start-up: vLLM's cache views become pdxfer geometry plus an `ExplicitLayout` ove
 own memory (`layout_vllm`), registered with the transport once; the rank's
 `RankHandshake` goes to the scheduler half. Every step: prefill ids the scheduler released
 are echoed as finished sending (vLLM then frees their blocks); decode loads are planned with
-pdxfer's packer against the prefill ranks' layouts (learned once per prefill instance
-through its TransferService handshake) and posted through the `TransferAgent`. A load
+pdxfer's packer against the prefill ranks' layouts (the scheduler half's handshake with each
+prefill instance, sent along with the first load that reads it: a worker never calls the
+control plane) and posted through the `TransferAgent`. A load
 finishes -- and its failure is reported -- only once nothing of it can still land.
 """
 
@@ -26,14 +27,13 @@ from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec, UniformTypeKVCa
 
 from transfer.agent import PeerReads, TransferAgent, stage_small
 from transfer.cache.explicit_layout import ExplicitLayout
-from transfer.control.client import TransferClient
 from transfer.dataplane import RangeBatch, make_transport
 from transfer.errors import InvalidInput
 from transfer.presets import from_hf_config, from_hf_dict
-from transfer.vllm.config import PdxferConfig, compat_fields
+from transfer.vllm.config import PdxferConfig
 from transfer.vllm.layout_vllm import STATE_ORDER_DS, STATE_ORDER_SD, VllmMemory, describe
 from transfer.vllm.load_plan import CacheGroup, plan_load
-from transfer.vllm.metadata import LoadSpec, RankHandshake, StageSpec, StepMetadata
+from transfer.vllm.metadata import LoadSpec, PrefillPeer, RankHandshake, StageSpec, StepMetadata
 from transfer.vllm.stage_tail import STAGE_SLOTS, gather_copies, slot_bytes
 from transfer.vllm.stats import PdxferStats
 
@@ -183,6 +183,8 @@ class ConnectorWorker:
 
     def start_load_kv(self, meta: StepMetadata) -> None:
         self._finished_sending.update(meta.released)
+        for address, peer in meta.peers.items():
+            self._connect(address, peer)
         for load in meta.loads:
             try:
                 reads, copies = self._plan(load)
@@ -251,26 +253,23 @@ class ConnectorWorker:
             for group in load.block_ids:
                 self._error_blocks.update(group)
 
+    def _connect(self, address: str, peer: PrefillPeer) -> None:
+        """Learn a prefill instance from the scheduler's handshake with it (local calls only);
+        if that fails, its loads fail (vLLM recomputes) and the server lives."""
+        assert self.agent is not None
+        self._peers.pop(address, None)
+        try:
+            layouts = tuple(ExplicitLayout.from_dict(json.loads(raw)) for raw in peer.layouts)
+            agents = tuple(self.agent.connect(m) for m in peer.agent_metadata)
+        except Exception as exc:
+            logger.warning("pdxfer: prefill %s (%s) unusable: %s", peer.instance_id, address, exc)
+            return
+        self._peers[address] = _Peer(layouts, agents)
+
     def _peer(self, address: str) -> _Peer:
         peer = self._peers.get(address)
-        if peer is not None:
-            return peer
-        assert self.agent is not None
-        compat = compat_fields(self.vllm_config, self.kv_cache_config)
-        client = TransferClient(
-            address, token=self.config.auth_token, timeout_s=self.config.control_timeout_s
-        )
-        try:
-            reply = client.handshake(f"vllm-decode-{self.rank}", compat)
-        finally:
-            client.close()
-        layouts = tuple(ExplicitLayout.from_dict(json.loads(raw)) for raw in reply.rank_layouts)
-        if not layouts or len(layouts) != len(reply.rank_metadata):
-            raise InvalidInput(f"handshake with {address}: {len(layouts)} layouts for "
-                               f"{len(reply.rank_metadata)} ranks")  # fmt: skip
-        agents = tuple(self.agent.connect(m) for m in reply.rank_metadata)
-        peer = _Peer(layouts, agents)
-        self._peers[address] = peer
+        if peer is None:
+            raise InvalidInput(f"ticket.control_address: no usable handshake with {address}")
         return peer
 
     def _plan(self, load: LoadSpec) -> tuple[list[PeerReads], tuple | None]:
