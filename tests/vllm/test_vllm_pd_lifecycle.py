@@ -1,8 +1,10 @@
 """The request lifecycle through PdxferConnector with real vLLM on both sides (TP 1 -> 1, the
 tiny bf16 Qwen3-Next): a decode request abandoned by its client frees the prefill side's
 blocks at once, not at lease expiry, and decode keeps serving; a prefill killed (SIGKILL) or
-frozen (SIGSTOP) after it answered the prefill step costs decode's request a local
-recompute (same tokens), counted as a failed transfer and logged, and decode keeps serving."""
+frozen (SIGSTOP) after it answered the prefill step, or killed after decode's Acquire succeeded
+and before decode's worker read (held there by the `test_hold_loads_file` fault), costs
+decode's request a local recompute (same tokens), counted as a failed transfer and logged, and
+decode keeps serving."""
 
 from __future__ import annotations
 
@@ -11,8 +13,11 @@ import os
 import re
 import signal
 import socket
+import tempfile
 import time
 import urllib.error
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -21,6 +26,7 @@ from tests.vllm.servers import (
     get_text,
     greedy_completion,
     metric_sum,
+    pd_completion,
     post_json,
     running_vllm,
 )
@@ -42,10 +48,20 @@ def prompt(k: int, length: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def pd_pair(qwen3_next_checkpoint):
+def hold_file() -> Path:
+    """While this file exists, decode's worker holds the loads it is about to read."""
+    return Path(tempfile.mkdtemp(prefix="pdxfer-hold-")) / "hold"
+
+
+@pytest.fixture(scope="module")
+def pd_pair(qwen3_next_checkpoint, hold_file):
     config = {
         **connector_config(Connector.PDXFER),
-        "kv_connector_extra_config": {"lease_s": LEASE_S, "control_timeout_s": CONTROL_TIMEOUT_S},
+        "kv_connector_extra_config": {
+            "lease_s": LEASE_S,
+            "control_timeout_s": CONTROL_TIMEOUT_S,
+            "test_hold_loads_file": str(hold_file),
+        },
     }
     with contextlib.ExitStack() as stack:
         servers = [
@@ -136,6 +152,51 @@ def test_prefill_lost_after_its_step_costs_decode_a_recompute(
     )
     # Decode keeps serving (the colocated request above was one, this is another).
     assert len(greedy_completion(decode, prompt(k + 1, 60), 2)["choices"][0]["token_ids"]) == 2
+
+
+def test_prefill_killed_between_decode_acquire_and_read(pd_pair, doomed_prefill, hold_file):
+    _, decode = pd_pair
+    # One transfer from this prefill first: decode's worker then knows it (handshake done,
+    # transport peer connected), so the held load below goes straight to the data plane.
+    warm = prompt(17, 60)
+    colocated = greedy_completion(decode, warm, 2)["choices"][0]["token_ids"]
+    response, _ = pd_completion(doomed_prefill, decode, warm, 2)
+    assert response["choices"][0]["token_ids"] == colocated
+
+    ids = prompt(19, 60)
+    first = greedy_completion(doomed_prefill, ids, 1, kv_transfer_params={"do_remote_decode": True})
+    params = first["kv_transfer_params"]
+    address = params["pdxfer"]["control_address"]
+    failed_before = metric_sum(get_text(decode.url + "/metrics"), FAILED)
+    held = hold_file.with_name(hold_file.name + ".held")
+    held.unlink(missing_ok=True)
+    hold_file.touch()
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        try:
+            pending = pool.submit(greedy_completion, decode, ids, 3, kv_transfer_params=params)
+            # A load is ordered only once decode's Acquire succeeded: prefill holds the cache
+            # for decode now, and nothing of it has been read.
+            wait_until(held.exists, "decode's worker holds the acquired load")
+            os.killpg(doomed_prefill.popen.pid, signal.SIGKILL)
+            wait_until(lambda: refuses_connections(address), "the killed prefill's port closes")
+        finally:
+            hold_file.unlink(missing_ok=True)
+        answer = pending.result(timeout=WAIT_S)
+
+    # The read from a dead peer failed (bounded, not hung): vLLM computed the prompt itself.
+    colocated = greedy_completion(decode, ids, 3)["choices"][0]["token_ids"]
+    assert answer["choices"][0]["token_ids"] == colocated
+    wait_until(
+        lambda: metric_sum(get_text(decode.url + "/metrics"), FAILED) == failed_before + 1,
+        "decode counts the failed transfer",
+    )
+    log = decode.log_path.read_text(errors="replace")
+    assert re.search(r"pdxfer: load of \S+ failed", log), "decode's log names the failed load"
+    wait_until(
+        lambda: metric_sum(get_text(decode.url + "/metrics"), "vllm:kv_cache_usage_perc") == 0.0,
+        "decode frees the request's blocks",
+    )
+    assert len(greedy_completion(decode, prompt(20, 60), 2)["choices"][0]["token_ids"]) == 2
 
 
 # Last in the file: when it fails, its decode server may keep stepping with the abandoned
