@@ -192,7 +192,12 @@ class ConnectorWorker:
             try:
                 reads, copies = self._plan(load)
             except Exception as exc:  # the load fails, vLLM recomputes; the server lives
-                logger.warning("pdxfer: load of %s failed before posting: %s", load.request_id, exc)
+                logger.warning(
+                    "pdxfer: load of %s from %s failed before posting: %s",
+                    load.request_id,
+                    load.ticket.control_address,
+                    exc,
+                )
                 self._staging_held.pop(load.request_id, None)
                 self._fail(load)
                 continue
