@@ -29,7 +29,7 @@ from tests.vllm.servers import (
     post_json,
     running_vllm,
 )
-from transfer.serving.launch.vllm_servers import Connector, connector_config
+from transfer.serving.launch.vllm_servers import Connector, connector_config, omp_binds
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
@@ -40,6 +40,10 @@ LEASE_S = 900
 CONTROL_TIMEOUT_S = 5
 WAIT_S = 120.0
 FAILED = "vllm:pdxfer_num_failed_transfers_total"
+# Each server's OpenMP threads on their own CPUs (vLLM's default binds every server to all
+# of them, and three servers' threads then fight): prefill, decode, the doomed prefill.
+PREFILL_BIND, DECODE_BIND, DOOMED_BIND = omp_binds([1, 1, 1])
+BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 
 
 def prompt(k: int, length: int) -> list[int]:
@@ -56,6 +60,8 @@ def hold_file() -> Path:
 def pd_pair(qwen3_next_checkpoint, hold_file):
     config = {
         **connector_config(Connector.PDXFER),
+        # A failed load is computed locally (vLLM's default fails the request).
+        "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {
             "lease_s": LEASE_S,
             "control_timeout_s": CONTROL_TIMEOUT_S,
@@ -66,10 +72,14 @@ def pd_pair(qwen3_next_checkpoint, hold_file):
         servers = [
             stack.enter_context(
                 running_vllm(
-                    qwen3_next_checkpoint, name=name, kv_transfer_config=config, wait=False
+                    qwen3_next_checkpoint,
+                    name=name,
+                    kv_transfer_config=config,
+                    env={BIND_ENV: bind},
+                    wait=False,
                 )
             )
-            for name in ("prefill", "decode")
+            for name, bind in (("prefill", PREFILL_BIND), ("decode", DECODE_BIND))
         ]
         for server in servers:
             server.wait_healthy(START_TIMEOUT_S)
@@ -94,7 +104,9 @@ def doomed_prefill(qwen3_next_checkpoint, pd_pair):
         **connector_config(Connector.PDXFER),
         "kv_connector_extra_config": {"lease_s": LEASE_S},
     }
-    with running_vllm(qwen3_next_checkpoint, name="doomed", kv_transfer_config=config) as server:
+    with running_vllm(
+        qwen3_next_checkpoint, name="doomed", kv_transfer_config=config, env={BIND_ENV: DOOMED_BIND}
+    ) as server:
         try:
             yield server
         finally:
@@ -177,8 +189,8 @@ def test_prefill_killed_between_decode_acquire_and_read(pd_pair, doomed_prefill,
             hold_file.unlink(missing_ok=True)
         answer = pending.result(timeout=WAIT_S)
 
-    # The load failed before reading (prefill's workers refuse the connection at once): vLLM
-    # computed the prompt itself.
+    # The load failed before reading (prefill's workers refuse the connection at once), and
+    # vLLM computed the prompt itself (kv_load_failure_policy recompute).
     colocated = greedy_completion(decode, ids, 3)["choices"][0]["token_ids"]
     assert answer["choices"][0]["token_ids"] == colocated
     wait_until(

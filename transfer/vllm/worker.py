@@ -123,6 +123,7 @@ class ConnectorWorker:
         self._finished_sending: set[str] = set()
         self._finished_recving: set[str] = set()
         self._failed_recving: set[str] = set()
+        self._stuck_logged: set[str] = set()  # loads failed but not settled, logged once
         self._error_blocks: set[int] = set()
         self._staging = torch.empty(0, dtype=torch.uint8)
         self._staging_start = 0
@@ -230,6 +231,8 @@ class ConnectorWorker:
                 else:
                     logger.warning("pdxfer: load of %s failed: %s", done.key, done.error)
                     self._fail(load)
+                self._stuck_logged.discard(done.key)
+            self._log_unsettled()
         sending, self._finished_sending = self._finished_sending, set()
         recving, self._finished_recving = self._finished_recving, set()
         failed, self._failed_recving = self._failed_recving, set()
@@ -250,6 +253,21 @@ class ConnectorWorker:
             self.agent = None
 
     # ---- loads --------------------------------------------------------------------------
+
+    def _log_unsettled(self) -> None:
+        """Name, once, each load that failed (its deadline passed, say) while the transport
+        cannot yet vouch that none of its bytes still land: vLLM keeps its blocks till then."""
+        assert self.agent is not None
+        for key in self._loads.keys() - self._stuck_logged:
+            failure = self.agent.failure(key)
+            if failure:
+                self._stuck_logged.add(key)
+                logger.warning(
+                    "pdxfer: load of %s failed (%s); its blocks stay held until the transport "
+                    "settles it",
+                    key,
+                    failure,
+                )
 
     def _fail(self, load: LoadSpec) -> None:
         self.stats.record_failed_transfer()
