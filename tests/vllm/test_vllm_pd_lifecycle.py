@@ -26,6 +26,7 @@ from tests.vllm.servers import (
     get_text,
     greedy_completion,
     metric_sum,
+    pd_completion,
     post_json,
     running_vllm,
 )
@@ -165,10 +166,18 @@ def test_prefill_lost_after_its_step_costs_decode_a_recompute(
     assert len(greedy_completion(decode, prompt(k + 1, 60), 2)["choices"][0]["token_ids"]) == 2
 
 
-def test_prefill_killed_between_decode_acquire_and_read(pd_pair, doomed_prefill, hold_file):
-    """Decode's first contact with this prefill's workers (their layouts, the transport peer)
-    comes after Acquire, when the load is planned: held there, it meets a dead prefill."""
+@pytest.mark.parametrize("known", [False, True], ids=["first-contact", "known-peer"])
+def test_prefill_killed_between_decode_acquire_and_read(pd_pair, doomed_prefill, hold_file, known):
+    """first-contact: decode's worker meets this prefill's workers (layouts, transport peer)
+    only when the held load is planned, and the handshake finds it dead. known-peer: one
+    transfer from it went through first, so the held load is posted to a dead transport
+    peer."""
     _, decode = pd_pair
+    if known:
+        warm = prompt(17, 60)
+        colocated = greedy_completion(decode, warm, 2)["choices"][0]["token_ids"]
+        response, _ = pd_completion(doomed_prefill, decode, warm, 2)
+        assert response["choices"][0]["token_ids"] == colocated
     ids = prompt(19, 60)
     first = greedy_completion(doomed_prefill, ids, 1, kv_transfer_params={"do_remote_decode": True})
     params = first["kv_transfer_params"]
@@ -189,8 +198,8 @@ def test_prefill_killed_between_decode_acquire_and_read(pd_pair, doomed_prefill,
             hold_file.unlink(missing_ok=True)
         answer = pending.result(timeout=WAIT_S)
 
-    # The load failed before reading (prefill's workers refuse the connection at once), and
-    # vLLM computed the prompt itself (kv_load_failure_policy recompute).
+    # The load failed (a dead prefill refuses the handshake, or its transport peer is gone),
+    # and vLLM computed the prompt itself (kv_load_failure_policy recompute).
     colocated = greedy_completion(decode, ids, 3)["choices"][0]["token_ids"]
     assert answer["choices"][0]["token_ids"] == colocated
     wait_until(
@@ -198,8 +207,11 @@ def test_prefill_killed_between_decode_acquire_and_read(pd_pair, doomed_prefill,
         "decode counts the failed transfer",
     )
     log = decode.log_path.read_text(errors="replace")
-    failure = rf"pdxfer: load of \S+ from {re.escape(address)} failed before posting: .*UNAVAILABLE"
-    assert re.search(failure, log), "decode's log names the failed load and the dead prefill"
+    if known:  # NIXL's answer when the peer died after the transfer was created
+        failure = r"pdxfer: load of \S+ failed: .*NIXL_ERR_REMOTE_DISCONNECT"
+    else:
+        failure = rf"pdxfer: load of \S+ from {re.escape(address)} failed before posting: .*UNAVAIL"
+    assert re.search(failure, log), "decode's log names the failed load"
     wait_until(
         lambda: metric_sum(get_text(decode.url + "/metrics"), "vllm:kv_cache_usage_perc") == 0.0,
         "decode frees the request's blocks",
