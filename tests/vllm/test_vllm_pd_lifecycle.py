@@ -221,12 +221,6 @@ def test_prefill_killed_between_decode_acquire_and_read(pd_pair, doomed_prefill,
 
 # Last in the file: when it fails, its decode server may keep stepping with the abandoned
 # request's blocks held, and the tests above share that server.
-@pytest.mark.xfail(
-    strict=False,
-    reason="intermittent (4 of 7 runs on 2026-12-05): the aborted decode request reaches "
-    "vLLM's scheduler as a 1-token prompt, and decode then holds blocks and keeps stepping; "
-    "cause not found (docs/vllm.md, Known limits)",
-)
 def test_abandoned_decode_request_frees_prefill_blocks(pd_pair):
     prefill, decode = pd_pair
     ids = prompt(11, 1500)
