@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 import uuid
 from dataclasses import dataclass
 from functools import partial
@@ -32,6 +31,7 @@ from transfer.dataplane import RangeBatch, make_transport
 from transfer.errors import InvalidInput
 from transfer.presets import from_hf_config, from_hf_dict
 from transfer.vllm.config import PdxferConfig, compat_fields
+from transfer.vllm.fault import hold_loads
 from transfer.vllm.layout_vllm import STATE_ORDER_DS, STATE_ORDER_SD, VllmMemory, describe
 from transfer.vllm.load_plan import CacheGroup, plan_load
 from transfer.vllm.metadata import LoadSpec, RankHandshake, StageSpec, StepMetadata
@@ -43,8 +43,6 @@ logger = logging.getLogger(__name__)
 # The read-side staging buffer (registered with the transport next to vLLM's memory): room
 # for the staged spans of the loads in flight; a load that finds none reads directly.
 STAGING_BYTES = 8 << 20
-# The longest a `test_hold_loads_file` holds a step's loads (a test that died left it behind).
-TEST_HOLD_MAX_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -188,7 +186,7 @@ class ConnectorWorker:
     def start_load_kv(self, meta: StepMetadata) -> None:
         self._finished_sending.update(meta.released)
         if meta.loads and self.config.test_hold_loads_file:
-            _hold_for_test(Path(self.config.test_hold_loads_file), meta.loads)
+            hold_loads(Path(self.config.test_hold_loads_file), [x.request_id for x in meta.loads])
         for load in meta.loads:
             try:
                 reads, copies = self._plan(load)
@@ -359,19 +357,6 @@ class ConnectorWorker:
             return None
         self._staging_held[key] = (cursor, nbytes)
         return cursor
-
-
-def _hold_for_test(hold: Path, loads: list[LoadSpec]) -> None:
-    """Fault injection (`PdxferConfig.test_hold_loads_file`): while `hold` exists, keep these
-    loads from being read; `<hold>.held` names them meanwhile."""
-    if not hold.exists():
-        return
-    ids = [load.request_id for load in loads]
-    hold.with_name(hold.name + ".held").write_text("\n".join(ids) + "\n")
-    logger.warning("pdxfer: holding the loads of %s while %s exists (test fault)", ids, hold)
-    deadline = time.monotonic() + TEST_HOLD_MAX_S
-    while hold.exists() and time.monotonic() < deadline:
-        time.sleep(0.1)
 
 
 def _vllm_version() -> str:
