@@ -1,8 +1,10 @@
 """The request lifecycle through PdxferConnector with real vLLM on both sides (TP 1 -> 1, the
 tiny bf16 Qwen3-Next): a decode request abandoned by its client frees the prefill side's
 blocks at once, not at lease expiry, and decode keeps serving; a prefill killed (SIGKILL) or
-frozen (SIGSTOP) after it answered the prefill step costs decode's request a local
-recompute (same tokens), counted as a failed transfer and logged, and decode keeps serving."""
+frozen (SIGSTOP) after it answered the prefill step, or killed after decode's Acquire succeeded
+and before decode's worker read (held there by the `test_hold_loads_file` fault), costs
+decode's request a local recompute (same tokens), counted as a failed transfer and logged, and
+decode keeps serving."""
 
 from __future__ import annotations
 
@@ -11,8 +13,11 @@ import os
 import re
 import signal
 import socket
+import tempfile
 import time
 import urllib.error
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -21,10 +26,11 @@ from tests.vllm.servers import (
     get_text,
     greedy_completion,
     metric_sum,
+    pd_completion,
     post_json,
     running_vllm,
 )
-from transfer.serving.launch.vllm_servers import Connector, connector_config
+from transfer.serving.launch.vllm_servers import Connector, connector_config, omp_binds
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
@@ -35,6 +41,10 @@ LEASE_S = 900
 CONTROL_TIMEOUT_S = 5
 WAIT_S = 120.0
 FAILED = "vllm:pdxfer_num_failed_transfers_total"
+# Each server's OpenMP threads on their own CPUs (vLLM's default binds every server to all
+# of them, and three servers' threads then fight): prefill, decode, the doomed prefill.
+PREFILL_BIND, DECODE_BIND, DOOMED_BIND = omp_binds([1, 1, 1])
+BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 
 
 def prompt(k: int, length: int) -> list[int]:
@@ -42,19 +52,35 @@ def prompt(k: int, length: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def pd_pair(qwen3_next_checkpoint):
+def hold_file() -> Path:
+    """While this file exists, decode's worker holds the loads it is about to read."""
+    return Path(tempfile.mkdtemp(prefix="pdxfer-hold-")) / "hold"
+
+
+@pytest.fixture(scope="module")
+def pd_pair(qwen3_next_checkpoint, hold_file):
     config = {
         **connector_config(Connector.PDXFER),
-        "kv_connector_extra_config": {"lease_s": LEASE_S, "control_timeout_s": CONTROL_TIMEOUT_S},
+        # A failed load is computed locally (vLLM's default fails the request).
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {
+            "lease_s": LEASE_S,
+            "control_timeout_s": CONTROL_TIMEOUT_S,
+            "test_hold_loads_file": str(hold_file),
+        },
     }
     with contextlib.ExitStack() as stack:
         servers = [
             stack.enter_context(
                 running_vllm(
-                    qwen3_next_checkpoint, name=name, kv_transfer_config=config, wait=False
+                    qwen3_next_checkpoint,
+                    name=name,
+                    kv_transfer_config=config,
+                    env={BIND_ENV: bind},
+                    wait=False,
                 )
             )
-            for name in ("prefill", "decode")
+            for name, bind in (("prefill", PREFILL_BIND), ("decode", DECODE_BIND))
         ]
         for server in servers:
             server.wait_healthy(START_TIMEOUT_S)
@@ -79,7 +105,9 @@ def doomed_prefill(qwen3_next_checkpoint, pd_pair):
         **connector_config(Connector.PDXFER),
         "kv_connector_extra_config": {"lease_s": LEASE_S},
     }
-    with running_vllm(qwen3_next_checkpoint, name="doomed", kv_transfer_config=config) as server:
+    with running_vllm(
+        qwen3_next_checkpoint, name="doomed", kv_transfer_config=config, env={BIND_ENV: DOOMED_BIND}
+    ) as server:
         try:
             yield server
         finally:
@@ -138,14 +166,61 @@ def test_prefill_lost_after_its_step_costs_decode_a_recompute(
     assert len(greedy_completion(decode, prompt(k + 1, 60), 2)["choices"][0]["token_ids"]) == 2
 
 
+@pytest.mark.parametrize("known", [False, True], ids=["first-contact", "known-peer"])
+def test_prefill_killed_between_decode_acquire_and_read(pd_pair, doomed_prefill, hold_file, known):
+    """first-contact: decode's worker meets this prefill's workers (layouts, transport peer)
+    only when the held load is planned, and the handshake finds it dead. known-peer: one
+    transfer from it went through first, so the held load is posted to a dead transport
+    peer."""
+    _, decode = pd_pair
+    if known:
+        warm = prompt(17, 60)
+        colocated = greedy_completion(decode, warm, 2)["choices"][0]["token_ids"]
+        response, _ = pd_completion(doomed_prefill, decode, warm, 2)
+        assert response["choices"][0]["token_ids"] == colocated
+    ids = prompt(19, 60)
+    first = greedy_completion(doomed_prefill, ids, 1, kv_transfer_params={"do_remote_decode": True})
+    params = first["kv_transfer_params"]
+    address = params["pdxfer"]["control_address"]
+    failed_before = metric_sum(get_text(decode.url + "/metrics"), FAILED)
+    held = hold_file.with_name(hold_file.name + ".held")
+    held.unlink(missing_ok=True)
+    hold_file.touch()
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        try:
+            pending = pool.submit(greedy_completion, decode, ids, 3, kv_transfer_params=params)
+            # A load is ordered only once decode's Acquire succeeded: prefill holds the cache
+            # for decode now, and nothing of it has been read.
+            wait_until(held.exists, "decode's worker holds the acquired load")
+            os.killpg(doomed_prefill.popen.pid, signal.SIGKILL)
+            wait_until(lambda: refuses_connections(address), "the killed prefill's port closes")
+        finally:
+            hold_file.unlink(missing_ok=True)
+        answer = pending.result(timeout=WAIT_S)
+
+    # The load failed (a dead prefill refuses the handshake, or its transport peer is gone),
+    # and vLLM computed the prompt itself (kv_load_failure_policy recompute).
+    colocated = greedy_completion(decode, ids, 3)["choices"][0]["token_ids"]
+    assert answer["choices"][0]["token_ids"] == colocated
+    wait_until(
+        lambda: metric_sum(get_text(decode.url + "/metrics"), FAILED) == failed_before + 1,
+        "decode counts the failed transfer",
+    )
+    log = decode.log_path.read_text(errors="replace")
+    if known:  # NIXL's answer when the peer died after the transfer was created
+        failure = r"pdxfer: load of \S+ failed: .*NIXL_ERR_REMOTE_DISCONNECT"
+    else:
+        failure = rf"pdxfer: load of \S+ from {re.escape(address)} failed before posting: .*UNAVAIL"
+    assert re.search(failure, log), "decode's log names the failed load"
+    wait_until(
+        lambda: metric_sum(get_text(decode.url + "/metrics"), "vllm:kv_cache_usage_perc") == 0.0,
+        "decode frees the request's blocks",
+    )
+    assert len(greedy_completion(decode, prompt(20, 60), 2)["choices"][0]["token_ids"]) == 2
+
+
 # Last in the file: when it fails, its decode server may keep stepping with the abandoned
 # request's blocks held, and the tests above share that server.
-@pytest.mark.xfail(
-    strict=False,
-    reason="intermittent (4 of 7 runs on 2026-12-05): the aborted decode request reaches "
-    "vLLM's scheduler as a 1-token prompt, and decode then holds blocks and keeps stepping; "
-    "cause not found (docs/vllm.md, Known limits)",
-)
 def test_abandoned_decode_request_frees_prefill_blocks(pd_pair):
     prefill, decode = pd_pair
     ids = prompt(11, 1500)

@@ -57,6 +57,10 @@ class PdxferConfig:
         control plane answers slowly under load (an Acquire then fails and decode recomputes).
     verify: reserved; `true` is refused until decode checks what it read (pdxfer's own workers
         have `launch --verify`).
+    test_hold_loads_file: for tests only (fault injection), unset by default. While this file
+        exists, a decode worker holds each load it is about to read -- after decode's Acquire
+        succeeded, before any read is posted -- and creates `<file>.held` to say so; deleting
+        the file lets the load go on. A test can so kill prefill between Acquire and the read.
     """
 
     transport: TransportKind = TransportKind.NIXL
@@ -66,6 +70,7 @@ class PdxferConfig:
     lease_s: float = 120.0
     control_timeout_s: float = 10.0
     verify: bool = False
+    test_hold_loads_file: str | None = None
 
     @property
     def heartbeat_s(self) -> float:
@@ -104,6 +109,13 @@ class PdxferConfig:
         for name in ("lease_s", "control_timeout_s"):
             if name in extra:
                 values[name] = _positive_seconds(name, extra[name])
+        if "test_hold_loads_file" in extra:
+            path = extra["test_hold_loads_file"]
+            if not isinstance(path, str) or not path:
+                raise InvalidInput(
+                    f"{FIELD_PREFIX}.test_hold_loads_file: not a file path, got {path!r}"
+                )
+            values["test_hold_loads_file"] = path
         if "verify" in extra:
             if not isinstance(extra["verify"], bool):
                 raise InvalidInput(f"{FIELD_PREFIX}.verify: not true or false")

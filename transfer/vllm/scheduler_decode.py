@@ -216,6 +216,22 @@ class DecodeSide:
             return None
         pull = Pull(request.request_id, ticket)
         if ticket.num_tokens >= request.num_prompt_tokens:
+            owner = self._owner(ticket)
+            if owner is not None:
+                # vLLM's notice that a request never reached the engine (a 1-token prompt,
+                # aborted at once: `notify_kv_transfer_request_rejected`) can follow one that
+                # did, when the client left while it was being added. The request that reached
+                # the engine reads and releases this ticket; releasing it here too would let
+                # prefill reuse the blocks while they are read.
+                logger.info(
+                    "request %s (%s): its pdxfer ticket is request %s's (%s); left to that one",
+                    request.request_id,
+                    request.status,
+                    owner.request_id,
+                    owner.phase.value,
+                )
+                params[LOADED] = True
+                return None
             logger.warning(
                 "request %s (%s): ticket covers %d tokens of a %d-token prompt; computing "
                 "locally and releasing the ticket",
@@ -231,6 +247,16 @@ class DecodeSide:
         self._peers.acquire(ticket.control_address, ticket.request_id, tag=request.request_id)
         self._pulls[request.request_id] = pull
         return pull
+
+    def _owner(self, ticket: Ticket) -> Pull | None:
+        """The pull already tracking the same prefill ticket, if any."""
+        for pull in self._pulls.values():
+            if (pull.ticket.control_address, pull.ticket.request_id) == (
+                ticket.control_address,
+                ticket.request_id,
+            ):
+                return pull
+        return None
 
     def _release(self, pull: Pull) -> None:
         assert pull.held is not None

@@ -31,6 +31,7 @@ from transfer.dataplane import RangeBatch, make_transport
 from transfer.errors import InvalidInput
 from transfer.presets import from_hf_config, from_hf_dict
 from transfer.vllm.config import PdxferConfig
+from transfer.vllm.fault import hold_loads
 from transfer.vllm.layout_vllm import STATE_ORDER_DS, STATE_ORDER_SD, VllmMemory, describe
 from transfer.vllm.load_plan import CacheGroup, plan_load
 from transfer.vllm.metadata import LoadSpec, PrefillPeer, RankHandshake, StageSpec, StepMetadata
@@ -120,6 +121,7 @@ class ConnectorWorker:
         self._finished_sending: set[str] = set()
         self._finished_recving: set[str] = set()
         self._failed_recving: set[str] = set()
+        self._stuck_logged: set[str] = set()  # loads failed but not settled, logged once
         self._error_blocks: set[int] = set()
         self._staging = torch.empty(0, dtype=torch.uint8)
         self._staging_start = 0
@@ -183,13 +185,20 @@ class ConnectorWorker:
 
     def start_load_kv(self, meta: StepMetadata) -> None:
         self._finished_sending.update(meta.released)
+        if meta.loads and self.config.test_hold_loads_file:
+            hold_loads(Path(self.config.test_hold_loads_file), [x.request_id for x in meta.loads])
         for address, peer in meta.peers.items():
             self._connect(address, peer)
         for load in meta.loads:
             try:
                 reads, copies = self._plan(load)
             except Exception as exc:  # the load fails, vLLM recomputes; the server lives
-                logger.warning("pdxfer: load of %s failed before posting: %s", load.request_id, exc)
+                logger.warning(
+                    "pdxfer: load of %s from %s failed before posting: %s",
+                    load.request_id,
+                    load.ticket.control_address,
+                    exc,
+                )
                 self._staging_held.pop(load.request_id, None)
                 self._fail(load)
                 continue
@@ -222,6 +231,8 @@ class ConnectorWorker:
                 else:
                     logger.warning("pdxfer: load of %s failed: %s", done.key, done.error)
                     self._fail(load)
+                self._stuck_logged.discard(done.key)
+            self._log_unsettled()
         sending, self._finished_sending = self._finished_sending, set()
         recving, self._finished_recving = self._finished_recving, set()
         failed, self._failed_recving = self._failed_recving, set()
@@ -242,6 +253,21 @@ class ConnectorWorker:
             self.agent = None
 
     # ---- loads --------------------------------------------------------------------------
+
+    def _log_unsettled(self) -> None:
+        """Name, once, each load that failed (its deadline passed, say) while the transport
+        cannot yet vouch that none of its bytes still land: vLLM keeps its blocks till then."""
+        assert self.agent is not None
+        for key in self._loads.keys() - self._stuck_logged:
+            failure = self.agent.failure(key)
+            if failure:
+                self._stuck_logged.add(key)
+                logger.warning(
+                    "pdxfer: load of %s failed (%s); its blocks stay held until the transport "
+                    "settles it",
+                    key,
+                    failure,
+                )
 
     def _fail(self, load: LoadSpec) -> None:
         self.stats.record_failed_transfer()
