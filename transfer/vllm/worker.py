@@ -34,6 +34,7 @@ from transfer.vllm.config import PdxferConfig, compat_fields
 from transfer.vllm.layout_vllm import STATE_ORDER_DS, STATE_ORDER_SD, VllmMemory, describe
 from transfer.vllm.load_plan import CacheGroup, plan_load
 from transfer.vllm.metadata import LoadSpec, RankHandshake, StageSpec, StepMetadata
+from transfer.vllm.region_copies import Columns, RegionCopies
 from transfer.vllm.stage_tail import STAGE_SLOTS, gather_copies, slot_bytes
 from transfer.vllm.stats import PdxferStats
 
@@ -124,6 +125,8 @@ class ConnectorWorker:
         self._staging = torch.empty(0, dtype=torch.uint8)
         self._staging_start = 0
         self._staging_held: dict[str, tuple[int, int]] = {}  # request -> (offset, bytes)
+        self._landing: dict[str, Columns] = {}  # request -> staging -> cache copies, once landed
+        self._copies: RegionCopies | None = None
         self._stage_out = torch.empty(0, dtype=torch.uint8)  # prefill's stage slots
         self._stage_start = 0
         self._stage_slot_bytes = 0
@@ -156,6 +159,7 @@ class ConnectorWorker:
         assert region_map is not None
         self._staging_start = region_map.regions[-2].start
         self._stage_start = region_map.regions[-1].start
+        self._copies = RegionCopies([*regions, self._staging, self._stage_out], region_map)
         self._handshake = RankHandshake(
             self.rank,
             self.tp,
@@ -192,18 +196,20 @@ class ConnectorWorker:
                 self._fail(load)
                 continue
             self._loads[load.request_id] = load
+            if copies is not None:
+                self._landing[load.request_id] = copies
             assert self.agent is not None
-            self.agent.post(load.request_id, reads, copies)
+            self.agent.post(load.request_id, reads)
 
     def save_stages(self, stages: list[StageSpec]) -> None:
         """Prefill, after the forward: gather each partial last block into its stage slot."""
         if not stages:
             return
-        assert self.agent is not None
+        assert self._copies is not None
         for stage in stages:
             at = self._stage_start + stage.slot * self._stage_slot_bytes
             copies = gather_copies(self.layouts[self.rank], stage.block, stage.tokens, at)
-            self.agent.copy_local(*copies)
+            self._copies.copy(*copies)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         results = self.get_transfer_results(finished_req_ids)
@@ -213,6 +219,10 @@ class ConnectorWorker:
         if self.agent is not None:
             for done in self.agent.poll():
                 load = self._loads.pop(done.key)
+                landing = self._landing.pop(done.key, None)
+                if done.ok and landing is not None:  # the staged pieces into place
+                    assert self._copies is not None
+                    self._copies.copy(*landing)
                 self._staging_held.pop(done.key, None)
                 if done.ok:
                     self.stats.record_transfer(done.nbytes, done.descriptors, done.seconds)
