@@ -55,8 +55,11 @@ class PdxferConfig:
         costs a decode request this long before vLLM computes the prompt itself (a dead one
         refuses the connection at once). Ten seconds by default; raise it when prefill's
         control plane answers slowly under load (an Acquire then fails and decode recomputes).
-    verify: reserved; `true` is refused until decode checks what it read (pdxfer's own workers
-        have `launch --verify`).
+    verify: prefill digests each published request's cache (per head unit, `digests`) and
+        decode checks bit-exactly what landed against them; a mismatch fails the load (vLLM
+        recomputes the prompt) and counts `vllm:pdxfer_num_verify_failures`. Off by default:
+        it costs a hash over the request's bytes on both sides. Set it on both servers (a
+        decode with verify on reads from a prefill without it unchecked, and says so).
     """
 
     transport: TransportKind = TransportKind.NIXL
@@ -107,10 +110,7 @@ class PdxferConfig:
         if "verify" in extra:
             if not isinstance(extra["verify"], bool):
                 raise InvalidInput(f"{FIELD_PREFIX}.verify: not true or false")
-            if extra["verify"]:
-                raise InvalidInput(
-                    f"{FIELD_PREFIX}.verify: not supported by the vLLM connector yet (false only)"
-                )
+            values["verify"] = extra["verify"]
         return cls(**values)
 
 

@@ -39,6 +39,9 @@ UnitKey = tuple[int, str, int, int]  # (layer, tensor, segment, unit)
 MAGIC = 0x7064786665727631  # "pdxferv1"
 TABLE_HEADER = 16
 DIGEST_BYTES = 8
+# Digest tables per prefill rank: verified finished prefills waiting for decode at once
+# (a table is small: 8 bytes per head unit); one that finds none goes unverified.
+DIGEST_SLOTS = 256
 
 
 def _key(unit: KVUnit | StateUnit) -> UnitKey:

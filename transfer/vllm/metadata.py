@@ -29,6 +29,8 @@ class RankHandshake(KVConnectorHandshakeMetadata):
     agent_metadata: the transport's opaque metadata (`Transport.register`).
     stage_start / stage_slot_bytes: the rank's stage slots (`stage_tail`), slot `s` at
     `stage_start + s * stage_slot_bytes`; slot bytes 0: this rank stages nothing.
+    digest_start / digest_slot_bytes: the rank's digest tables (`digests`, verify), slot `s`
+    at `digest_start + s * digest_slot_bytes`; slot bytes 0: verify is off.
     """
 
     tp_rank: int
@@ -37,6 +39,8 @@ class RankHandshake(KVConnectorHandshakeMetadata):
     agent_metadata: bytes
     stage_start: int = 0
     stage_slot_bytes: int = 0
+    digest_start: int = 0
+    digest_slot_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,17 @@ class StageSpec:
     request_id: str
     block: int
     tokens: int
+    slot: int
+
+
+@dataclass(frozen=True)
+class DigestSpec:
+    """Prefill (verify): digest the request's cache into digest slot `slot` once this step's
+    forward has written it. block_ids: the ticket's, per vLLM KV-cache group."""
+
+    request_id: str
+    block_ids: tuple[tuple[int, ...], ...]
+    num_tokens: int
     slot: int
 
 
@@ -72,8 +87,10 @@ class StepMetadata(KVConnectorMetadata):
     released: request ids whose prefill blocks decode released or whose lease lapsed; each
         worker reports them back as finished sending, and vLLM then frees the blocks.
     stages: prefill's partial last blocks to gather after this step's forward.
+    digests: prefill's requests to digest after this step's forward (verify).
     """
 
     loads: list[LoadSpec] = field(default_factory=list)
     released: list[str] = field(default_factory=list)
     stages: list[StageSpec] = field(default_factory=list)
+    digests: list[DigestSpec] = field(default_factory=list)

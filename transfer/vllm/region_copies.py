@@ -81,6 +81,12 @@ class RegionCopies:
         self._sync()
         return out
 
+    def view(self, offset: int, nbytes: int) -> torch.Tensor:
+        """The bytes `[offset, offset + nbytes)` (one region's) as a uint8 view."""
+        index, local = self._local(np.asarray([offset]), np.asarray([nbytes]), "view.offset")
+        at = int(local[0])
+        return self.regions[int(index[0])][at : at + nbytes]
+
     def zero(self, offsets: np.ndarray, nbytes: np.ndarray) -> None:
         """Zero the ranges now."""
         offsets, nbytes = (np.asarray(c, dtype=np.int64) for c in (offsets, nbytes))

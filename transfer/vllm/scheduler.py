@@ -102,10 +102,12 @@ class ConnectorScheduler:
         idle = scheduler_output.total_num_scheduled_tokens == 0
         if idle and self.decode.idle() and self.prefill.only_holding():
             time.sleep(IDLE_HOLD_PAUSE_S)
+        stages = self.prefill.plan_stages(scheduler_output)  # first: it records block ids
         return StepMetadata(
             loads=self.decode.take_loads(),
             released=self.prefill.take_released(),
-            stages=self.prefill.plan_stages(scheduler_output),
+            stages=stages,
+            digests=self.prefill.plan_digests(scheduler_output),
         )
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
