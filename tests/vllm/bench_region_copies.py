@@ -1,6 +1,7 @@
 """Micro-benchmark (not a test): one decode load's local copies on the CPU, the agent's
 per-range copies (`TransferAgent.copy_local`, what the worker ran before) against
-`RegionCopies` over `kernels.pack`.
+`RegionCopies` over `kernels.pack`; and what `verify` adds to that load on one rank (its
+digests, `transfer/vllm/digests.py`).
 
 The copies are the worker's for the tiny Qwen3-Next's caches as vLLM allocates them, a
 prompt of 900 tokens (three 384-token blocks, the last one staged by token), at TP pairs
@@ -21,6 +22,7 @@ import torch
 from tests.vllm.test_vllm_layout import BLOCK, GROUPS, _describe
 from transfer.agent import TransferAgent, stage_small
 from transfer.dataplane import make_transport
+from transfer.vllm.digests import RequestCache, compute
 from transfer.vllm.region_copies import RegionCopies
 from transfer.vllm.stage_tail import slot_bytes
 
@@ -78,8 +80,12 @@ def main() -> None:
             f"agent {before * 1e3:.3f} ms, kernels.pack {after * 1e3:.3f} ms "
             f"({after / before:.2f}x)"
         )
+        if tp_p == tp_d == 1:
+            cache = RequestCache.of(GROUPS, [(4,), (3,), (2,), (1, 0)], BLOCK, NUM_TOKENS)
+            layout = _describe(1)[0].layout(0)
+            digest = _time(lambda: compute(kernels, layout, cache))  # noqa: B023
+            print(f"  verify digests of that load (one rank): {digest * 1e3:.3f} ms")
         agent.close()
-    assert BLOCK == 384
 
 
 if __name__ == "__main__":

@@ -58,7 +58,7 @@ class RegionCopies:
 
     def gather(self, offsets: np.ndarray, nbytes: np.ndarray) -> torch.Tensor:
         """The ranges back to back, in order: uint8 [sum(nbytes)] on the regions' device."""
-        from kernels import gather_ranges
+        from kernels import copy_ranges
 
         offsets, nbytes = (np.asarray(c, dtype=np.int64) for c in (offsets, nbytes))
         device = self.regions[0].device if self.regions else torch.device("cpu")
@@ -66,18 +66,16 @@ class RegionCopies:
         if not len(nbytes):
             return out
         index, local = self._local(offsets, nbytes, "gather.offsets")
-        # runs of one region keep their order in `out`
-        breaks = np.flatnonzero(index[1:] != index[:-1]) + 1
-        at = 0
-        for run in np.split(np.arange(len(nbytes)), breaks):
-            size = int(nbytes[run].sum())
-            gather_ranges(
-                self.regions[int(index[run[0]])],
-                torch.from_numpy(local[run]),
-                torch.from_numpy(nbytes[run]),
-                out=out[at : at + size],
+        packed = np.cumsum(nbytes) - nbytes  # where each range goes in `out`
+        for i in np.unique(index).tolist():
+            rows = index == i
+            copy_ranges(
+                self.regions[i],
+                out,
+                torch.from_numpy(local[rows]),
+                torch.from_numpy(packed[rows]),
+                torch.from_numpy(nbytes[rows]),
             )
-            at += size
         self._sync()
         return out
 
