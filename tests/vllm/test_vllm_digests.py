@@ -25,8 +25,11 @@ from transfer.vllm.digests import (
     unit_ranges,
 )
 from transfer.vllm.load_plan import plan_load
+from transfer.vllm.metadata import DigestSpec, LoadSpec
 from transfer.vllm.region_copies import RegionCopies
 from transfer.vllm.stage_tail import gather_copies, slot_bytes
+from transfer.vllm.ticket import Ticket
+from transfer.vllm.worker_verify import CORRUPT_TOKENS_ENV, RankVerifier, digest_slot_bytes
 
 SRC_IDS = [(0,), (1,), (2,), (3, 4)]
 DST_IDS = [(4,), (3,), (2,), (1, 0)]
@@ -123,3 +126,27 @@ def test_a_table_of_another_request_or_size_is_refused():
         decode_table(table, layout, request_tag("b", 699))
     with pytest.raises(InvalidInput, match="digest table of"):
         decode_table(table[:-8], layout, request_tag("a", 699))
+
+
+def test_the_workers_table_round_trip_and_the_corrupt_hook(monkeypatch):
+    """Prefill's `RankVerifier` writes the table into a slot; decode's checks the landed
+    cache against it, and with the test hook set for this token count, flips a byte first."""
+    num_tokens = 699
+    prefill_memory, prefill_flat, _, _ = _describe(1, seed=5)
+    layout = prefill_memory.layout(0)
+    prefill = RankVerifier(GROUPS, layout, RegionCopies([prefill_flat], prefill_memory.region_map))
+    slot = torch.zeros(digest_slot_bytes(layout), dtype=torch.uint8)
+    prefill.write_table(DigestSpec("req-9", tuple(SRC_IDS), num_tokens, 3), slot)
+    decode_memory, decode_flat, _, _ = _describe(1)
+    source = Memory(prefill_memory.region_map, prefill_flat, 0)
+    target = Memory(decode_memory.region_map, decode_flat, 0)
+    reads = plan_load(GROUPS, [layout], [decode_memory.layout(0)], 0, SRC_IDS, DST_IDS, num_tokens)
+    _run(reads.per_source[0], source, target)
+    ticket = Ticket("127.0.0.1:1", "req-9", tuple(SRC_IDS), num_tokens, 1, "hash")
+    load = LoadSpec("decode-req", ticket, tuple(DST_IDS), num_tokens)
+    tables = [slot[: table_bytes(layout)].numpy()]
+    copies = RegionCopies([decode_flat], decode_memory.region_map)
+    assert RankVerifier(GROUPS, decode_memory.layout(0), copies).check(load, [layout], tables) == []
+    monkeypatch.setenv(CORRUPT_TOKENS_ENV, str(num_tokens))
+    problems = RankVerifier(GROUPS, decode_memory.layout(0), copies).check(load, [layout], tables)
+    assert len(problems) == 1 and problems[0].endswith("differs")
