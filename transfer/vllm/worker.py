@@ -49,6 +49,15 @@ STAGING_BYTES = 8 << 20
 
 
 @dataclass(frozen=True)
+class _Tables:
+    """A load's digest tables (verify): the prefill ranks' layouts, and per prefill rank
+    where its table lands in staging, (offset, bytes)."""
+
+    layouts: tuple[ExplicitLayout, ...]
+    landed: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
 class _Peer:
     """A prefill instance as this rank reads it."""
 
@@ -133,14 +142,12 @@ class ConnectorWorker:
         self._stage_out = torch.empty(0, dtype=torch.uint8)  # prefill's stage slots
         self._stage_start = 0
         self._stage_slot_bytes = 0
-        # verify: prefill's digest slots; decode's tables in flight (prefill layouts, and
-        # per prefill rank where its table lands in staging)
+        # verify: prefill's digest slots; decode's tables of the loads in flight
         self._digest_out = torch.empty(0, dtype=torch.uint8)
         self._digest_start = 0
         self._digest_slot_bytes = 0
         self._verifier: RankVerifier | None = None
-        self._verifying: dict[str, tuple[tuple[ExplicitLayout, ...], tuple[tuple[int, int], ...]]]
-        self._verifying = {}
+        self._verifying: dict[str, _Tables] = {}
         self._unverified_peers: set[str] = set()
         self.stats = PdxferStats()
 
@@ -238,7 +245,7 @@ class ConnectorWorker:
 
     def save_digests(self, specs: list[DigestSpec]) -> None:
         """Prefill, after the forward (verify): each finished request's digest table into
-        its slot. A table not written fails decode's check, and decode recomputes."""
+        its slot. A table not written fails decode's check of the load."""
         assert self._verifier is not None or not specs
         size = self._digest_slot_bytes
         for spec in specs:
@@ -292,7 +299,7 @@ class ConnectorWorker:
                     assert self._copies is not None
                     self._copies.copy(*landing)
                 seconds += time.perf_counter() - started
-                problems = self._check(load, *tables) if tables is not None else []
+                problems = self._check(load, tables) if tables is not None else []
             except Exception as exc:
                 error = f"after landing: {exc}"
             else:
@@ -333,18 +340,13 @@ class ConnectorWorker:
             reads.append(PeerReads(agent, ranges))
             landed.append((at, size))
             at += size
-        self._verifying[load.request_id] = (peer.layouts, tuple(landed))
+        self._verifying[load.request_id] = _Tables(peer.layouts, tuple(landed))
         return reads
 
-    def _check(
-        self,
-        load: LoadSpec,
-        prefill: tuple[ExplicitLayout, ...],
-        landed: tuple[tuple[int, int], ...],
-    ) -> list[str]:
+    def _check(self, load: LoadSpec, tables: _Tables) -> list[str]:
         assert self._verifier is not None
-        tables = [self._staging[at : at + n].cpu().numpy() for at, n in landed]
-        return self._verifier.check(load, prefill, tables)
+        landed = [self._staging[at : at + n].cpu().numpy() for at, n in tables.landed]
+        return self._verifier.check(load, tables.layouts, landed)
 
     def _fail(self, load: LoadSpec) -> None:
         self.stats.record_failed_transfer()
