@@ -15,7 +15,13 @@ if TYPE_CHECKING:
     from kernels.gdn import chunk_gdn, recurrent_gdn
     from kernels.kda import chunk_kda, recurrent_kda
     from kernels.mamba2 import chunk_mamba2, recurrent_mamba2
-    from kernels.pack import gather_blocks, gather_ranges, scatter_blocks, scatter_ranges
+    from kernels.pack import (
+        copy_ranges,
+        gather_blocks,
+        gather_ranges,
+        scatter_blocks,
+        scatter_ranges,
+    )
 
 _HOMES = {
     "causal_conv1d": "kernels.conv1d",
@@ -28,6 +34,7 @@ _HOMES = {
     "recurrent_mamba2": "kernels.mamba2",
     "gather_ranges": "kernels.pack",
     "scatter_ranges": "kernels.pack",
+    "copy_ranges": "kernels.pack",
     "gather_blocks": "kernels.pack",
     "scatter_blocks": "kernels.pack",
     "use_triton": "kernels.backend",
@@ -44,6 +51,7 @@ __all__ = [
     "recurrent_mamba2",
     "gather_ranges",
     "scatter_ranges",
+    "copy_ranges",
     "gather_blocks",
     "scatter_blocks",
     "use_triton",

@@ -9,13 +9,14 @@ import torch
 
 from kernels.backend import use_triton
 from kernels.pack.naive import (
+    copy_ranges_naive,
     gather_blocks_naive,
     gather_ranges_naive,
     scatter_blocks_naive,
     scatter_ranges_naive,
 )
 
-__all__ = ["gather_ranges", "scatter_ranges", "gather_blocks", "scatter_blocks"]
+__all__ = ["gather_ranges", "scatter_ranges", "copy_ranges", "gather_blocks", "scatter_blocks"]
 
 
 def gather_ranges(
@@ -58,6 +59,33 @@ def scatter_ranges(
         copy_ranges_triton(staging, dst, _starts(lengths), offsets, lengths, alignment)
         return
     scatter_ranges_naive(staging, dst, offsets, lengths)
+
+
+def copy_ranges(
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    src_offsets: torch.Tensor,
+    dst_offsets: torch.Tensor,
+    lengths: torch.Tensor,
+) -> None:
+    """Copy src[src_offsets[r] :+ lengths[r]] to dst[dst_offsets[r] :+ lengths[r]] for each r:
+    gather and scatter in one pass, for pieces that are not back to back on either side.
+
+    src, dst: contiguous uint8 [N] on one device (may be one tensor: then no source range
+    may overlap a destination range); offsets, lengths int64 [R]. Destination ranges must
+    not overlap; source ranges may.
+    """
+    _, src_alignment = _check_ranges("src", src, src_offsets, lengths, overlap_ok=True)
+    _, dst_alignment = _check_ranges("dst", dst, dst_offsets, lengths, overlap_ok=False)
+    if src.device != dst.device:
+        raise ValueError(f"dst: expected device {src.device} like src, got {dst.device}")
+    if use_triton(src, dst):
+        from kernels.pack.triton import copy_ranges_triton
+
+        alignment = min(src_alignment, dst_alignment)
+        copy_ranges_triton(src, dst, src_offsets, dst_offsets, lengths, alignment)
+        return
+    copy_ranges_naive(src, dst, src_offsets, dst_offsets, lengths)
 
 
 def gather_blocks(

@@ -26,6 +26,22 @@ def scatter_ranges_naive(
         position += length
 
 
+def copy_ranges_naive(
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    src_offsets: torch.Tensor,
+    dst_offsets: torch.Tensor,
+    lengths: torch.Tensor,
+) -> None:
+    """dst[dst_offsets[r] :+ lengths[r]] = src[src_offsets[r] :+ lengths[r]] for each r."""
+    rows = zip(src_offsets.tolist(), dst_offsets.tolist(), lengths.tolist(), strict=True)
+    if src.device.type == "cpu" and dst.device.type == "cpu":
+        # numpy views: a small slice copy costs a fraction of torch's per-call overhead
+        src, dst = src.numpy(), dst.numpy()
+    for s, d, n in rows:
+        dst[d : d + n] = src[s : s + n]
+
+
 def gather_blocks_naive(
     cache: torch.Tensor, block_ids: torch.Tensor, head_start: int, head_end: int, out: torch.Tensor
 ) -> torch.Tensor:

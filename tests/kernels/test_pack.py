@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.pack import gather_blocks, gather_ranges, scatter_blocks, scatter_ranges
+from kernels.pack import copy_ranges, gather_blocks, gather_ranges, scatter_blocks, scatter_ranges
 
 BACKENDS = ["torch", "triton"]
 
@@ -74,6 +74,39 @@ def test_gather_ranges_into_given_out_and_empty(backend, name):
     assert torch.equal(out, torch.cat([src[4000:], src[3:8]]))
     empty = torch.empty(0, dtype=torch.int64)
     assert gather_ranges(src, empty, empty).numel() == 0
+
+
+# unit 8: int64 words; 1: odd offsets on one side only, so Triton must fall back to bytes
+@pytest.mark.kernels
+@pytest.mark.parametrize("unit, skew", [(8, 0), (1, 0), (8, 3)])
+@pytest.mark.parametrize("name", BACKENDS)
+def test_copy_ranges_equals_gather_then_scatter(backend, name, unit, skew):
+    backend(name)
+    src = _random_bytes(200_000)
+    src_offsets, lengths = _disjoint_ranges(src.numel() - skew, 40, unit, 300)
+    src_offsets = src_offsets + skew
+    dst_offsets, _ = _disjoint_ranges(src.numel(), 40, unit, 300)
+    dst_offsets = dst_offsets[torch.randperm(40)]
+    # every destination range gets a length its slot can hold
+    gaps = torch.sort(dst_offsets).values
+    room = torch.cat([gaps[1:] - gaps[:-1], torch.tensor([src.numel()]) - gaps[-1:]])
+    room_of = dict(zip(gaps.tolist(), room.tolist(), strict=True))
+    lengths = torch.tensor(
+        [min(n, room_of[o]) for o, n in zip(dst_offsets.tolist(), lengths.tolist(), strict=True)]
+    )
+    dst = _random_bytes(src.numel())
+    expected = dst.clone()
+    scatter_ranges(gather_ranges(src, src_offsets, lengths), expected, dst_offsets, lengths)
+    copy_ranges(src, dst, src_offsets, dst_offsets, lengths)
+    assert torch.equal(dst, expected)
+
+
+@pytest.mark.kernels
+def test_copy_ranges_refuses_overlapping_destinations():
+    src, dst = _random_bytes(64), _random_bytes(64)
+    offsets = _ranges(0, 8)
+    with pytest.raises(ValueError, match="overlap"):
+        copy_ranges(src, dst, offsets, _ranges(0, 4), _ranges(8, 8))
 
 
 @pytest.fixture(scope="module")

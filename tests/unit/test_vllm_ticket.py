@@ -26,6 +26,8 @@ def test_round_trip_through_json():
         ("block_ids", [[1, -1]]),
         ("staged_offsets", [4096]),  # one offset for two prefill ranks
         ("staged_offsets", [4096, -1]),
+        ("digest_offsets", [4096, 8192, 0]),  # three offsets for two prefill ranks
+        ("digest_offsets", "4096"),
     ],
 )
 def test_bad_field_is_named(field, value):
@@ -41,6 +43,16 @@ def test_staged_offsets_cross_and_default_to_none():
     older = ticket().to_params()
     del older["pdxfer"]["staged_offsets"]  # from a prefill that stages nothing
     assert Ticket.from_params(older).staged_offsets == ()
+
+
+def test_digest_offsets_cross_and_default_to_none():
+    verified = Ticket(
+        "127.0.0.1:5000", "req-1", ((3, 7), (2,)), 100, 2, "abc", digest_offsets=(64, 128)
+    )
+    assert Ticket.from_params(json.loads(json.dumps(verified.to_params()))) == verified
+    older = ticket().to_params()
+    del older["pdxfer"]["digest_offsets"]  # from a prefill with verify off
+    assert Ticket.from_params(older).digest_offsets == ()
 
 
 def test_missing_ticket_is_named():

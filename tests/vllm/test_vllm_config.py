@@ -30,7 +30,7 @@ def test_every_setting_parses(tmp_path):
             "control_port": 7100,
             "lease_s": 5,
             "control_timeout_s": 30,
-            "verify": False,
+            "verify": True,
         }
     )
     assert config == PdxferConfig(
@@ -40,7 +40,7 @@ def test_every_setting_parses(tmp_path):
         control_port=7100,
         lease_s=5.0,
         control_timeout_s=30.0,
-        verify=False,
+        verify=True,
     )
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.lease_s = 1.0  # type: ignore[misc]
@@ -64,7 +64,7 @@ def test_every_setting_parses(tmp_path):
         ("control_timeout_s", True),
         ("control_timeout_s", "30"),
         ("verify", "yes"),
-        ("verify", True),
+        ("verify", 1),
         ("auth_token_file", 3),
         ("lease", 30),
     ],

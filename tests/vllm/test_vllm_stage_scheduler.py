@@ -24,7 +24,7 @@ from tests.vllm.test_vllm_scheduler import (  # noqa: E402, F401 (base_config: a
     request,
 )
 from transfer.vllm import PdxferConnector  # noqa: E402
-from transfer.vllm.metadata import RankHandshake, StageSpec  # noqa: E402
+from transfer.vllm.metadata import DigestSpec, RankHandshake, StageSpec  # noqa: E402
 from transfer.vllm.stage_tail import STAGE_SLOTS  # noqa: E402
 from transfer.vllm.ticket import Ticket  # noqa: E402
 
@@ -110,3 +110,50 @@ def test_an_aborted_prefill_frees_its_slot_and_full_blocks_stage_nothing(prefill
     exact.num_prompt_tokens = 2 * BLOCK + 1
     prefill.on_new_request(exact)  # 32 tokens: two full blocks
     assert prefill.build_connector_meta(_first_chunk(exact, [50, 51], 2 * BLOCK)).stages == []
+
+
+DIGEST_START, DIGEST_SLOT_BYTES = 1 << 24, 512
+
+
+@pytest.fixture
+def verifying_prefill(base_config):  # noqa: F811
+    connector = PdxferConnector(
+        make_config(base_config, "prefill-verify", verify=True),
+        KVConnectorRole.SCHEDULER,
+        kv_cache_config(),
+    )
+    handshake = RankHandshake(
+        0, 1, {"regions": []}, b"md0", STAGE_START, SLOT_BYTES, DIGEST_START, DIGEST_SLOT_BYTES
+    )
+    connector.set_xfer_handshake_metadata({0: handshake})
+    yield connector
+    connector.shutdown()
+
+
+def test_verify_digests_the_last_chunk_and_the_ticket_names_the_table(verifying_prefill):
+    prefill = verifying_prefill
+    req = request("v1", {"do_remote_decode": True})
+    prefill.on_new_request(req)
+    attention = list(range(10, 17))
+    assert prefill.build_connector_meta(_first_chunk(req, attention[:4], 64)).digests == []
+    req.num_computed_tokens = 64
+    meta = prefill.build_connector_meta(_next_chunk(req, attention[4:], PROMPT - 1 - 64))
+    clipped = (tuple(attention), (21,), (22,), (23,))
+    assert meta.digests == [DigestSpec("v1", clipped, PROMPT - 1, 0)]
+    ticket = Ticket.from_params(_finish(prefill, req, attention))
+    assert ticket.digest_offsets == (DIGEST_START,)
+    # Slot 0 is held until decode releases the ticket; then it is the next one's again.
+    other = request("v2", {"do_remote_decode": True})
+    prefill.on_new_request(other)
+    assert prefill.build_connector_meta(_first_chunk(other, attention, 99)).digests[0].slot == 1
+    prefill._sched().prefill.store.abort("v1", "test")  # decode gone: freed
+    third = request("v3", {"do_remote_decode": True})
+    prefill.on_new_request(third)
+    assert prefill.build_connector_meta(_first_chunk(third, attention, 99)).digests[0].slot == 0
+
+
+def test_verify_off_digests_nothing(prefill):
+    req = request("n1", {"do_remote_decode": True})
+    prefill.on_new_request(req)
+    assert prefill.build_connector_meta(_first_chunk(req, list(range(10, 17)), 99)).digests == []
+    assert Ticket.from_params(_finish(prefill, req, list(range(10, 17)))).digest_offsets == ()

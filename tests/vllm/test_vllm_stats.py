@@ -46,7 +46,10 @@ def test_failures_alone_are_not_empty():
         "Num successful transfers": 0,
         "Num failed transfers": 0,
         "Num expired leases": 2,
+        "Num verify failures": 0,
     }
+    stats.record_verify_failure()
+    assert stats.reduce()["Num verify failures"] == 1
 
 
 def test_prometheus_metrics_appear_under_their_names():
@@ -67,6 +70,7 @@ def test_prometheus_metrics_appear_under_their_names():
     stats.record_transfer(700_000, 4, 0.0025)
     stats.record_failed_transfer()
     stats.record_expired_leases(1)
+    stats.record_verify_failure()
     metrics.observe(stats.data, engine_idx=0)
     text = generate_latest(registry).decode()
     assert 'vllm:pdxfer_bytes_transferred_count{engine="0"} 2.0' in text
@@ -76,3 +80,4 @@ def test_prometheus_metrics_appear_under_their_names():
     assert 'vllm:pdxfer_xfer_time_seconds_bucket{engine="0",le="0.0025"} 2.0' in text
     assert 'vllm:pdxfer_num_failed_transfers_total{engine="0"} 1.0' in text
     assert 'vllm:pdxfer_num_expired_leases_total{engine="0"} 1.0' in text
+    assert 'vllm:pdxfer_num_verify_failures_total{engine="0"} 1.0' in text

@@ -51,16 +51,19 @@ class PdxferConfig:
         (the first request after start-up at TP 2 on CPU took 74 s), and an abandoned request is
         released at once anyway, so only a dead decode holds blocks this long.
     control_timeout_s: the deadline of each control call decode makes to a prefill instance
-        (Acquire, Heartbeat, Release, the workers' Handshake). A frozen or partitioned prefill
-        costs a decode request this long before vLLM computes the prompt itself (a dead one
+        (Acquire, Heartbeat, Release and Handshake, all from the scheduler half). A frozen or
+        partitioned prefill costs a decode request this long before vLLM computes the prompt itself (a dead one
         refuses the connection at once). Ten seconds by default; raise it when prefill's
         control plane answers slowly under load (an Acquire then fails and decode recomputes).
-    verify: reserved; `true` is refused until decode checks what it read (pdxfer's own workers
-        have `launch --verify`).
     test_hold_loads_file: for tests only (fault injection), unset by default. While this file
         exists, a decode worker holds each load it is about to read -- after decode's Acquire
         succeeded, before any read is posted -- and creates `<file>.held` to say so; deleting
         the file lets the load go on. A test can so kill prefill between Acquire and the read.
+    verify: prefill digests each published request's cache (per head unit, `digests`) and
+        decode checks bit-exactly what landed against them; a mismatch fails the load (vLLM
+        recomputes the prompt) and counts `vllm:pdxfer_num_verify_failures`. Off by default:
+        it costs a hash over the request's bytes on both sides. Set it on both servers (a
+        decode with verify on reads from a prefill without it unchecked, and says so).
     """
 
     transport: TransportKind = TransportKind.NIXL
@@ -119,10 +122,7 @@ class PdxferConfig:
         if "verify" in extra:
             if not isinstance(extra["verify"], bool):
                 raise InvalidInput(f"{FIELD_PREFIX}.verify: not true or false")
-            if extra["verify"]:
-                raise InvalidInput(
-                    f"{FIELD_PREFIX}.verify: not supported by the vLLM connector yet (false only)"
-                )
+            values["verify"] = extra["verify"]
         return cls(**values)
 
 

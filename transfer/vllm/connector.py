@@ -148,12 +148,14 @@ class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
         return None  # decode reads from prefill's memory (partial blocks: wait_for_save)
 
     def wait_for_save(self) -> None:
-        # After the forward: prefill gathers the partial blocks this step wrote (stage_tail).
+        # After the forward: prefill gathers the partial blocks this step wrote (stage_tail)
+        # and, with verify, digests the requests it finished.
         if not self.has_connector_metadata():
             return
         metadata = self._get_connector_metadata()
         assert isinstance(metadata, StepMetadata)
         self._work().save_stages(metadata.stages)
+        self._work().save_digests(metadata.digests)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self._work().get_finished(finished_req_ids)

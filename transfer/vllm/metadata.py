@@ -31,6 +31,8 @@ class RankHandshake(KVConnectorHandshakeMetadata):
     agent_metadata: the transport's opaque metadata (`Transport.register`).
     stage_start / stage_slot_bytes: the rank's stage slots (`stage_tail`), slot `s` at
     `stage_start + s * stage_slot_bytes`; slot bytes 0: this rank stages nothing.
+    digest_start / digest_slot_bytes: the rank's digest tables (`digests`, verify), slot `s`
+    at `digest_start + s * digest_slot_bytes`; slot bytes 0: verify is off.
     """
 
     tp_rank: int
@@ -39,6 +41,8 @@ class RankHandshake(KVConnectorHandshakeMetadata):
     agent_metadata: bytes
     stage_start: int = 0
     stage_slot_bytes: int = 0
+    digest_start: int = 0
+    digest_slot_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -66,6 +70,17 @@ class PrefillPeer:
 
 
 @dataclass(frozen=True)
+class DigestSpec:
+    """Prefill (verify): digest the request's cache into digest slot `slot` once this step's
+    forward has written it. block_ids: the ticket's, per vLLM KV-cache group."""
+
+    request_id: str
+    block_ids: tuple[tuple[int, ...], ...]
+    num_tokens: int
+    slot: int
+
+
+@dataclass(frozen=True)
 class LoadSpec:
     """One request decode pulls: the prefill ticket and where its cache lands locally.
 
@@ -89,9 +104,11 @@ class StepMetadata(KVConnectorMetadata):
     stages: prefill's partial last blocks to gather after this step's forward.
     peers: by control address, the prefill instances this step's loads read that no earlier
         step's loads did (each announced with the first load that needs it).
+    digests: prefill's requests to digest after this step's forward (verify).
     """
 
     loads: list[LoadSpec] = field(default_factory=list)
     released: list[str] = field(default_factory=list)
     stages: list[StageSpec] = field(default_factory=list)
     peers: dict[str, PrefillPeer] = field(default_factory=dict)
+    digests: list[DigestSpec] = field(default_factory=list)

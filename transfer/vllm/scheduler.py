@@ -105,10 +105,12 @@ class ConnectorScheduler:
         if idle and self.decode.idle() and self.prefill.only_holding():
             time.sleep(IDLE_HOLD_PAUSE_S)
         loads, peers = self.decode.take_loads()
+        stages = self.prefill.plan_stages(scheduler_output)  # first: it records block ids
         return StepMetadata(
             loads=loads,
             released=self.prefill.take_released(),
-            stages=self.prefill.plan_stages(scheduler_output),
+            stages=stages,
+            digests=self.prefill.plan_digests(scheduler_output),
             peers=peers,
         )
 

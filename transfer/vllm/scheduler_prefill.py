@@ -33,7 +33,8 @@ from transfer.control.types import (
 from transfer.control.types import Ticket as StoreTicket
 from transfer.errors import InvalidInput
 from transfer.vllm.config import PdxferConfig
-from transfer.vllm.metadata import RankHandshake, StageSpec
+from transfer.vllm.metadata import DigestSpec, RankHandshake, StageSpec
+from transfer.vllm.scheduler_digests import DigestSlots
 from transfer.vllm.scheduler_groups import TransferGroups
 from transfer.vllm.stage_tail import STAGE_SLOTS
 from transfer.vllm.stats import PdxferStats
@@ -91,6 +92,7 @@ class PrefillSide:
         self._block_ids: dict[str, list[list[int]]] = {}  # their block ids per vLLM group
         self._staging: dict[str, tuple[int, int]] = {}  # request -> (slot, num_tokens)
         self._stage_held: dict[str, int] = {}  # published request -> slot
+        self._digests = DigestSlots(config.verify)
 
     @property
     def address(self) -> str | None:
@@ -116,6 +118,7 @@ class PrefillSide:
         stage = tuple((handshakes[r].stage_start, handshakes[r].stage_slot_bytes) for r in ranks)
         if self._groups.num_attention == 1 and all(size > 0 for _, size in stage):
             self._stage_ranks = stage
+        self._digests.start(handshakes)
         address = f"{self._config.control_host}:{self._config.control_port}"
         self.store.start()
         self._server = serve(
@@ -173,6 +176,25 @@ class PrefillSide:
             stages.append(StageSpec(req_id, block, partial, slot))
         return stages
 
+    def plan_digests(self, output: SchedulerOutput) -> list[DigestSpec]:
+        """Verify: the requests whose last prompt tokens this step computes (after
+        `plan_stages`, which records their block ids)."""
+        if not self._digests.enabled:
+            return []
+        specs = []
+        for req_id, scheduled in output.num_scheduled_tokens.items():
+            request = self._tracked.get(req_id)
+            if request is None or req_id not in self._block_ids:
+                continue
+            if request.num_computed_tokens + scheduled < request.num_prompt_tokens:
+                continue
+            num_tokens = request.num_prompt_tokens
+            clipped = self._groups.clip(self._block_ids.get(req_id, []), num_tokens)
+            spec = self._digests.plan(req_id, clipped, num_tokens)
+            if spec is not None:
+                specs.append(spec)
+        return specs
+
     def _staged_offsets(self, request_id: str, num_tokens: int) -> tuple[int, tuple[int, ...]]:
         """The request's stage slot and its offsets per rank, (-1, ()) when none holds its
         `num_tokens` (the slot, if any, is freed)."""
@@ -197,7 +219,10 @@ class PrefillSide:
         stage_slot, staged_offsets = self._staged_offsets(
             request.request_id, request.num_computed_tokens
         )
-        kept, params = self._publish(request, block_ids, staged_offsets)
+        digest_offsets = self._digests.publish(request.request_id, request.num_computed_tokens)
+        kept, params = self._publish(request, block_ids, staged_offsets, digest_offsets)
+        if not kept:
+            self._digests.free(request.request_id)
         if stage_slot >= 0:
             if kept:  # published with the slot: freed with the ticket
                 with self._lock:
@@ -207,7 +232,11 @@ class PrefillSide:
         return kept, params
 
     def _publish(
-        self, request: Request, block_ids: tuple[list[int], ...], staged_offsets: tuple[int, ...]
+        self,
+        request: Request,
+        block_ids: tuple[list[int], ...],
+        staged_offsets: tuple[int, ...],
+        digest_offsets: tuple[int, ...],
     ) -> tuple[bool, dict[str, Any] | None]:
         params = request.kv_transfer_params
         if not params or not params.get(DO_REMOTE_DECODE):
@@ -256,6 +285,7 @@ class PrefillSide:
             tp_size=self._tp_size,
             compat_hash=compat_hash(self._compat),
             staged_offsets=staged_offsets,
+            digest_offsets=digest_offsets,
         )
         # do_remote_prefill / do_remote_decode: the keys vLLM's proxies route on.
         return True, {**ticket.to_params(), "do_remote_prefill": True, DO_REMOTE_DECODE: False}
@@ -291,6 +321,7 @@ class PrefillSide:
             stage_slot = self._stage_held.pop(ticket.request_id, None)
             if stage_slot is not None:
                 self._stage_free.append(stage_slot)
+        self._digests.free(ticket.request_id)
         if reason is FreeReason.EXPIRED:
             with self._stats_lock:
                 self._stats.record_expired_leases(1)

@@ -69,6 +69,15 @@ def _head_copies(
     return cache, chunk, nbytes
 
 
+def head_token_ranges(
+    unit: KVUnit, block_size: int, eb: int, block: int, tokens: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """(offsets, nbytes) in the cache of one head's first `tokens` tokens of `block` (the
+    bytes decode's scatter writes), in stage-chunk order."""
+    cache, _, nbytes = _head_copies(unit, block_size, eb, block, tokens, 0)
+    return cache, nbytes
+
+
 def _check(layout: ExplicitLayout, tokens: int, field: str) -> None:
     if not k_units(layout):
         raise InvalidInput(f"{field}: this layout's attention cannot be staged by token")

@@ -31,10 +31,11 @@ class Series(str, enum.Enum):
     DESCRIPTORS = "num_descriptors"
     FAILED_TRANSFERS = "num_failed_transfers"
     EXPIRED_LEASES = "num_expired_leases"
+    VERIFY_FAILURES = "num_verify_failures"
 
 
 PER_TRANSFER = (Series.XFER_SECONDS, Series.BYTES, Series.DESCRIPTORS)
-COUNTED = (Series.FAILED_TRANSFERS, Series.EXPIRED_LEASES)
+COUNTED = (Series.FAILED_TRANSFERS, Series.EXPIRED_LEASES, Series.VERIFY_FAILURES)
 
 
 @dataclass
@@ -60,6 +61,11 @@ class PdxferStats(KVConnectorStats):
 
     def record_failed_transfer(self) -> None:
         self.data[Series.FAILED_TRANSFERS.value].append(1)
+
+    def record_verify_failure(self) -> None:
+        """A load whose bytes differ from prefill's digests (verify; it counts as a failed
+        transfer too)."""
+        self.data[Series.VERIFY_FAILURES.value].append(1)
 
     def record_expired_leases(self, count: int = 1) -> None:
         """Prefill freed `count` requests whose lease lapsed before decode released them."""
@@ -89,6 +95,7 @@ class PdxferStats(KVConnectorStats):
         counts = {
             "Num failed transfers": sum(self.data[Series.FAILED_TRANSFERS.value]),
             "Num expired leases": sum(self.data[Series.EXPIRED_LEASES.value]),
+            "Num verify failures": sum(self.data[Series.VERIFY_FAILURES.value]),
         }
         n = self.num_transfers
         if n == 0:
@@ -144,6 +151,7 @@ class PdxferPromMetrics(KVConnectorPromMetrics):
         counters = (
             (Series.FAILED_TRANSFERS, "vllm:pdxfer_num_failed_transfers", "pdxfer KV cache transfers that failed (decode side)."),
             (Series.EXPIRED_LEASES, "vllm:pdxfer_num_expired_leases", "Requests whose cache prefill freed because decode's lease lapsed."),
+            (Series.VERIFY_FAILURES, "vllm:pdxfer_num_verify_failures", "pdxfer loads whose bytes differed from prefill's digests (verify; vLLM recomputed them)."),
         )  # fmt: skip
         self._counters = {
             series: per_engine(

@@ -24,6 +24,8 @@ class Ticket:
     staged_offsets: per prefill TP rank, the stage slot (virtual offset) holding the partial
     last attention block's tokens (`transfer/vllm/stage_tail.py`); () when that block
     crosses whole.
+    digest_offsets: per prefill TP rank, its digest table of this request (virtual offset,
+    `transfer/vllm/digests.py`); () when prefill publishes none (verify off).
     """
 
     control_address: str
@@ -33,6 +35,7 @@ class Ticket:
     tp_size: int
     compat_hash: str
     staged_offsets: tuple[int, ...] = ()
+    digest_offsets: tuple[int, ...] = ()
 
     def to_params(self) -> dict[str, Any]:
         """The `kv_transfer_params` a prefill response carries."""
@@ -45,6 +48,7 @@ class Ticket:
                 "tp_size": self.tp_size,
                 "compat_hash": self.compat_hash,
                 "staged_offsets": list(self.staged_offsets),
+                "digest_offsets": list(self.digest_offsets),
             }
         }
 
@@ -73,18 +77,7 @@ class Ticket:
                 raise InvalidInput(
                     f"kv_transfer_params.{PARAMS_KEY}.block_ids[{i}]: not a list of block ids"
                 )
-        staged = body.get("staged_offsets", [])
-        if not isinstance(staged, list) or not all(
-            isinstance(o, int) and not isinstance(o, bool) and o >= 0 for o in staged
-        ):
-            raise InvalidInput(
-                f"kv_transfer_params.{PARAMS_KEY}.staged_offsets: not a list of offsets"
-            )
-        if staged and len(staged) != body["tp_size"]:
-            raise InvalidInput(
-                f"kv_transfer_params.{PARAMS_KEY}.staged_offsets: {len(staged)} offsets for "
-                f"tp_size {body['tp_size']}"
-            )
+        staged, digests = (_offsets(body, key) for key in ("staged_offsets", "digest_offsets"))
         return cls(
             control_address=body["control_address"],
             request_id=body["request_id"],
@@ -92,5 +85,21 @@ class Ticket:
             num_tokens=body["num_tokens"],
             tp_size=body["tp_size"],
             compat_hash=body["compat_hash"],
-            staged_offsets=tuple(staged),
+            staged_offsets=staged,
+            digest_offsets=digests,
         )
+
+
+def _offsets(body: dict[str, Any], key: str) -> tuple[int, ...]:
+    """An optional list of one virtual offset per prefill rank."""
+    offsets = body.get(key, [])
+    if not isinstance(offsets, list) or not all(
+        isinstance(o, int) and not isinstance(o, bool) and o >= 0 for o in offsets
+    ):
+        raise InvalidInput(f"kv_transfer_params.{PARAMS_KEY}.{key}: not a list of offsets")
+    if offsets and len(offsets) != body["tp_size"]:
+        raise InvalidInput(
+            f"kv_transfer_params.{PARAMS_KEY}.{key}: {len(offsets)} offsets for "
+            f"tp_size {body['tp_size']}"
+        )
+    return tuple(offsets)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 import uuid
 from dataclasses import dataclass
 from functools import partial
@@ -25,24 +26,43 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec, UniformTypeKVCacheSpecs
 
-from transfer.agent import PeerReads, TransferAgent, stage_small
+from transfer.agent import Finished, PeerReads, TransferAgent, stage_small
 from transfer.cache.explicit_layout import ExplicitLayout
 from transfer.dataplane import RangeBatch, make_transport
 from transfer.errors import InvalidInput
 from transfer.presets import from_hf_config, from_hf_dict
 from transfer.vllm.config import PdxferConfig
+from transfer.vllm.digests import DIGEST_SLOTS, table_bytes
 from transfer.vllm.fault import hold_loads
 from transfer.vllm.layout_vllm import STATE_ORDER_DS, STATE_ORDER_SD, VllmMemory, describe
 from transfer.vllm.load_plan import CacheGroup, plan_load
-from transfer.vllm.metadata import LoadSpec, PrefillPeer, RankHandshake, StageSpec, StepMetadata
+from transfer.vllm.metadata import (
+    DigestSpec,
+    LoadSpec,
+    PrefillPeer,
+    RankHandshake,
+    StageSpec,
+    StepMetadata,
+)
+from transfer.vllm.region_copies import Columns, RegionCopies
 from transfer.vllm.stage_tail import STAGE_SLOTS, gather_copies, slot_bytes
 from transfer.vllm.stats import PdxferStats
+from transfer.vllm.worker_verify import RankVerifier, digest_slot_bytes
 
 logger = logging.getLogger(__name__)
 
 # The read-side staging buffer (registered with the transport next to vLLM's memory): room
 # for the staged spans of the loads in flight; a load that finds none reads directly.
 STAGING_BYTES = 8 << 20
+
+
+@dataclass(frozen=True)
+class _Tables:
+    """A load's digest tables (verify): the prefill ranks' layouts, and per prefill rank
+    where its table lands in staging, (offset, bytes)."""
+
+    layouts: tuple[ExplicitLayout, ...]
+    landed: tuple[tuple[int, int], ...]
 
 
 @dataclass(frozen=True)
@@ -126,9 +146,18 @@ class ConnectorWorker:
         self._staging = torch.empty(0, dtype=torch.uint8)
         self._staging_start = 0
         self._staging_held: dict[str, tuple[int, int]] = {}  # request -> (offset, bytes)
+        self._landing: dict[str, Columns] = {}  # request -> staging -> cache copies, once landed
+        self._copies: RegionCopies | None = None
         self._stage_out = torch.empty(0, dtype=torch.uint8)  # prefill's stage slots
         self._stage_start = 0
         self._stage_slot_bytes = 0
+        # verify: prefill's digest slots; decode's tables of the loads in flight
+        self._digest_out = torch.empty(0, dtype=torch.uint8)
+        self._digest_start = 0
+        self._digest_slot_bytes = 0
+        self._verifier: RankVerifier | None = None
+        self._verifying: dict[str, _Tables] = {}
+        self._unverified_peers: set[str] = set()
         self.stats = PdxferStats()
 
     # ---- start-up -----------------------------------------------------------------------
@@ -153,11 +182,20 @@ class ConnectorWorker:
         self._stage_out = torch.zeros(
             max(1, STAGE_SLOTS * self._stage_slot_bytes), dtype=torch.uint8, device=device
         )
-        metadata = self.agent.register([*regions, self._staging, self._stage_out])
+        if self.config.verify:
+            self._digest_slot_bytes = digest_slot_bytes(self.layouts[self.rank])
+        self._digest_out = torch.zeros(
+            max(1, DIGEST_SLOTS * self._digest_slot_bytes), dtype=torch.uint8, device=device
+        )
+        ours = [self._staging, self._stage_out, self._digest_out]
+        metadata = self.agent.register([*regions, *ours])
         region_map = self.agent.transport.region_map
         assert region_map is not None
-        self._staging_start = region_map.regions[-2].start
-        self._stage_start = region_map.regions[-1].start
+        self._staging_start, self._stage_start, self._digest_start = (
+            r.start for r in region_map.regions[len(regions) :]
+        )
+        self._copies = RegionCopies([*regions, *ours], region_map)
+        self._verifier = RankVerifier(self.groups, self.layouts[self.rank], self._copies)
         self._handshake = RankHandshake(
             self.rank,
             self.tp,
@@ -165,6 +203,8 @@ class ConnectorWorker:
             metadata,
             self._stage_start,
             self._stage_slot_bytes,
+            self._digest_start,
+            self._digest_slot_bytes,
         )
         logger.info(
             "pdxfer: rank %d/%d registered %d region(s), %d B virtual; block size %d, "
@@ -192,6 +232,7 @@ class ConnectorWorker:
         for load in meta.loads:
             try:
                 reads, copies = self._plan(load)
+                reads = [*reads, *self._digest_reads(load)]
             except Exception as exc:  # the load fails, vLLM recomputes; the server lives
                 logger.warning(
                     "pdxfer: load of %s from %s failed before posting: %s",
@@ -200,21 +241,38 @@ class ConnectorWorker:
                     exc,
                 )
                 self._staging_held.pop(load.request_id, None)
+                self._staging_held.pop(_tables_key(load.request_id), None)
+                self._verifying.pop(load.request_id, None)
                 self._fail(load)
                 continue
             self._loads[load.request_id] = load
+            if copies is not None:
+                self._landing[load.request_id] = copies
             assert self.agent is not None
-            self.agent.post(load.request_id, reads, copies)
+            self.agent.post(load.request_id, reads)
 
     def save_stages(self, stages: list[StageSpec]) -> None:
         """Prefill, after the forward: gather each partial last block into its stage slot."""
         if not stages:
             return
-        assert self.agent is not None
+        assert self._copies is not None
         for stage in stages:
             at = self._stage_start + stage.slot * self._stage_slot_bytes
             copies = gather_copies(self.layouts[self.rank], stage.block, stage.tokens, at)
-            self.agent.copy_local(*copies)
+            self._copies.copy(*copies)
+
+    def save_digests(self, specs: list[DigestSpec]) -> None:
+        """Prefill, after the forward (verify): each finished request's digest table into
+        its slot. A table not written fails decode's check of the load."""
+        assert self._verifier is not None or not specs
+        size = self._digest_slot_bytes
+        for spec in specs:
+            slot = self._digest_out[spec.slot * size : (spec.slot + 1) * size]
+            try:
+                assert self._verifier is not None
+                self._verifier.write_table(spec, slot)
+            except Exception as exc:
+                logger.warning("pdxfer verify: no digests for %s: %s", spec.request_id, exc)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         results = self.get_transfer_results(finished_req_ids)
@@ -223,14 +281,7 @@ class ConnectorWorker:
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         if self.agent is not None:
             for done in self.agent.poll():
-                load = self._loads.pop(done.key)
-                self._staging_held.pop(done.key, None)
-                if done.ok:
-                    self.stats.record_transfer(done.nbytes, done.descriptors, done.seconds)
-                    self._finished_recving.add(done.key)
-                else:
-                    logger.warning("pdxfer: load of %s failed: %s", done.key, done.error)
-                    self._fail(load)
+                self._finish(done)
                 self._stuck_logged.discard(done.key)
             self._log_unsettled()
         sending, self._finished_sending = self._finished_sending, set()
@@ -268,6 +319,69 @@ class ConnectorWorker:
                     key,
                     failure,
                 )
+
+    def _finish(self, done: Finished) -> None:
+        """A load whose reads all settled: its staged pieces into place, its check (verify),
+        then finished or failed."""
+        load = self._loads.pop(done.key)
+        landing = self._landing.pop(done.key, None)
+        tables = self._verifying.pop(done.key, None)
+        error, seconds = done.error, done.seconds
+        if not error:
+            started = time.perf_counter()
+            try:
+                if landing is not None:
+                    assert self._copies is not None
+                    self._copies.copy(*landing)
+                seconds += time.perf_counter() - started
+                problems = self._check(load, tables) if tables is not None else []
+            except Exception as exc:
+                error = f"after landing: {exc}"
+            else:
+                if problems:
+                    self.stats.record_verify_failure()
+                    more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+                    error = "verify: " + "; ".join(problems[:3]) + more
+        self._staging_held.pop(done.key, None)
+        self._staging_held.pop(_tables_key(done.key), None)
+        if error:
+            logger.warning("pdxfer: load of %s failed: %s", done.key, error)
+            self._fail(load)
+            return
+        self.stats.record_transfer(done.nbytes, done.descriptors, seconds)
+        self._finished_recving.add(done.key)
+
+    def _digest_reads(self, load: LoadSpec) -> list[PeerReads]:
+        """Verify: every prefill rank's table of the request, read into staging with the
+        load (InvalidInput when staging has no room: the load then fails)."""
+        if not self.config.verify:
+            return []
+        address = load.ticket.control_address
+        if not load.ticket.digest_offsets:
+            if address not in self._unverified_peers:
+                self._unverified_peers.add(address)
+                logger.warning("pdxfer verify: %s publishes no digests (verify off there); "
+                               "its loads go unchecked", address)  # fmt: skip
+            return []
+        peer = self._peer(address)
+        sizes = [table_bytes(layout) for layout in peer.layouts]
+        at = self._hold_staging(_tables_key(load.request_id), sum(sizes))
+        if at is None:
+            raise InvalidInput("verify: no staging room for the prefill ranks' digest tables")
+        reads, landed = [], []
+        for agent, remote, size in zip(peer.agents, load.ticket.digest_offsets, sizes, strict=True):
+            local = np.asarray([self._staging_start + at], dtype=np.int64)
+            ranges = RangeBatch(local, np.asarray([remote], dtype=np.int64), np.asarray([size]))
+            reads.append(PeerReads(agent, ranges))
+            landed.append((at, size))
+            at += size
+        self._verifying[load.request_id] = _Tables(peer.layouts, tuple(landed))
+        return reads
+
+    def _check(self, load: LoadSpec, tables: _Tables) -> list[str]:
+        assert self._verifier is not None
+        landed = [self._staging[at : at + n].cpu().numpy() for at, n in tables.landed]
+        return self._verifier.check(load, tables.layouts, landed)
 
     def _fail(self, load: LoadSpec) -> None:
         self.stats.record_failed_transfer()
@@ -356,6 +470,11 @@ class ConnectorWorker:
             return None
         self._staging_held[key] = (cursor, nbytes)
         return cursor
+
+
+def _tables_key(request_id: str) -> str:
+    """The staging hold of a load's digest tables (apart from its staged reads)."""
+    return f"{request_id}#digests"
 
 
 def _vllm_version() -> str:
