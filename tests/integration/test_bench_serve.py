@@ -35,6 +35,7 @@ def test_reports_every_concurrency_with_the_documented_keys(tmp_path):
             assert r[key]["p50"] <= r[key]["p99"]
         assert r["ttft_ms"]["p50"] <= r["e2e_ms"]["p50"]
         assert 0 < r["exposed_transfer_ms"]["p50"] <= r["ttft_ms"]["p50"]
+        assert r["decode_cpu_ms_per_token"] > 0 and r["router_cpu_ms_per_token"] > 0
         # each request decodes its 4 tokens after the prefill's first: 6 x 4 request-steps
         assert r["decode_steps"] * r["decode_batch_mean"] == pytest.approx(6 * 4, abs=0.15)
         assert r["decode_step_ms_mean"] > 0

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import select
 import socket
 import subprocess
 import sys
@@ -87,3 +88,25 @@ def test_the_rendezvous_binds_its_host_and_closes_once_the_group_formed():
         open_ports = json.loads(out.strip().splitlines()[-1])
         assert all(ipaddress.ip_address(ip).is_loopback for ip, _ in open_ports), open_ports
         assert port not in [p for _, p in open_ports]  # the store stopped listening
+
+
+def test_a_closed_rendezvous_listener_leaves_the_store_loop_nothing_to_poll():
+    """The store's event loop keeps polling the listener's descriptor after the group has
+    formed. A shut-down listener polls as ready for ever (rank 0 of every TP-2 instance
+    spun most of a core on it); once stopped, the descriptor must poll idle and the port
+    must refuse connections, while the store still answers its existing client."""
+    from transfer.model.rendezvous import Rendezvous
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    rendezvous = Rendezvous(f"tcp://127.0.0.1:{port}", 0, 1, 30.0)
+    fd = rendezvous._listen_fd
+    rendezvous.store.set("before", "1")
+    rendezvous.stop_listening()
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    assert poller.poll(0) == []
+    with socket.socket() as late, pytest.raises(ConnectionRefusedError):
+        late.connect(("127.0.0.1", port))
+    assert rendezvous.store.get("before") == b"1"

@@ -10,12 +10,13 @@ from transfer.agent.staging import StagingArea
 from transfer.bench.transfer_rank import BenchRank, BenchRankSpec, ReadItem
 from transfer.dataplane import RangeBatch
 from transfer.errors import InvalidInput
+from transfer.serving.role import ServeRole
 
 ARENA = 1 << 16
 _names = itertools.count()
 
 
-def _rank(role: str) -> BenchRank:
+def _rank(role: ServeRole) -> BenchRank:
     n = next(_names)
     spec = BenchRankSpec(role, f"bench-{role}-{n}", 0, 1, ARENA, "nixl", (), seed=n,
                          staging=StagingArea(ARENA // 2, ARENA, ARENA // 2))  # fmt: skip
@@ -24,7 +25,7 @@ def _rank(role: str) -> BenchRank:
 
 @pytest.fixture
 def ranks():
-    prefill, decode = _rank("prefill"), _rank("decode")
+    prefill, decode = _rank(ServeRole.PREFILL), _rank(ServeRole.DECODE)
     decode.add_peers((prefill.metadata,))
     yield prefill, decode
     decode.close()

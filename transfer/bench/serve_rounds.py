@@ -15,7 +15,8 @@ from collections.abc import Sequence
 LATENCY_KEYS = ("ttft_ms", "itl_ms", "e2e_ms", "transfer_ms", "exposed_transfer_ms")
 SUMMED_KEYS = (
     "requests", "failed", "retries", "output_tokens", "prompt_tokens", "cached_prompt_tokens",
-    "reused_decode_tokens", "kv_bytes", "state_bytes", "decode_steps",
+    "reused_decode_tokens", "kv_bytes", "state_bytes", "decode_steps", "decode_cpu_s",
+    "router_cpu_s",
 )  # fmt: skip
 
 

@@ -43,6 +43,7 @@ from transfer.bench.transfer_setup import (
 from transfer.cache.extents import count_runs
 from transfer.geometry import ModelGeometry
 from transfer.serving.ranks.ranks import STOP_TIMEOUT_S, RankGroup, RankLink
+from transfer.serving.role import ServeRole
 from transfer.stats import percentile
 
 MODES = ("ours", "lowest", "raw", "naive", "stream", "groups")
@@ -137,9 +138,9 @@ class PairRun:
     def decode(self) -> Side:
         return self.sides[1]
 
-    def _specs(self, role: str, tp: int, node) -> list[BenchRankSpec]:
+    def _specs(self, role: ServeRole, tp: int, node) -> list[BenchRankSpec]:
         tag = f"{len(self.instances.prefill)}x{len(self.instances.decode)}"
-        layouts = self.instances.prefill if role == "prefill" else self.instances.decode
+        layouts = self.instances.prefill if role is ServeRole.PREFILL else self.instances.decode
         return [
             BenchRankSpec(
                 role=role,
@@ -149,7 +150,7 @@ class PairRun:
                 arena_bytes=self.instances.arena_bytes(role),
                 backend=self.settings.transport,
                 options=_options(self.settings, node),
-                seed=self.settings.seed + r if role == "prefill" else 0,
+                seed=self.settings.seed + r if role is ServeRole.PREFILL else 0,
                 staging=StagingArea.of(layouts[r]),
             )
             for r in range(tp)
@@ -158,8 +159,10 @@ class PairRun:
     def start(self) -> None:
         p_node, d_node = self.nodes
         p_tp, d_tp = len(self.instances.prefill), len(self.instances.decode)
-        self.sides.append(Side(self._specs("prefill", p_tp, p_node), p_node, "prefill ranks"))
-        self.sides.append(Side(self._specs("decode", d_tp, d_node), d_node, "decode ranks"))
+        self.sides.append(
+            Side(self._specs(ServeRole.PREFILL, p_tp, p_node), p_node, "prefill ranks")
+        )
+        self.sides.append(Side(self._specs(ServeRole.DECODE, d_tp, d_node), d_node, "decode ranks"))
         metadata = tuple(self.prefill.call(BenchInfo(), SETUP_TIMEOUT_S))
         self.decode.call(BenchAddPeers(metadata), SETUP_TIMEOUT_S)
 

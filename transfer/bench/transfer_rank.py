@@ -20,6 +20,7 @@ import numpy as np
 from transfer.agent.staging import StagingArea
 from transfer.serving.ranks.rank_protocol import RankCommand
 from transfer.serving.ranks.spec import Copies
+from transfer.serving.role import ServeRole
 
 BUILD = "transfer.bench.transfer_rank:build_bench_rank"
 POLL_SLEEP_S = 20e-6
@@ -35,7 +36,7 @@ PATTERN_PERIOD = (1 << 24) + 8
 class BenchRankSpec:
     """What one rank process builds itself from."""
 
-    role: str  # "prefill" | "decode"
+    role: ServeRole  # PREFILL or DECODE
     name: str  # transport agent name
     rank: int
     tp: int
@@ -87,7 +88,7 @@ class BenchRank:
         torch.set_num_threads(1)
         self.spec = spec
         self.arena = torch.empty(spec.arena_bytes, dtype=torch.uint8)
-        if spec.role == "prefill":
+        if spec.role is ServeRole.PREFILL:
             generator = torch.Generator().manual_seed(spec.seed)
             period = min(spec.arena_bytes, PATTERN_PERIOD)
             pattern = torch.randint(0, 256, (period,), dtype=torch.uint8, generator=generator)

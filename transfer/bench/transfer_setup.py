@@ -17,6 +17,7 @@ from transfer.bench.prefill_model import StreamGroup
 from transfer.cache import BlockPool, Layout, LayoutOptions, SlotPool, fragment
 from transfer.geometry import ModelGeometry
 from transfer.packer import StagingPolicy, TransferPlan, TransferRequest, plan_transfer
+from transfer.serving.role import ServeRole
 
 # After `fragment` (fill 0.7, keep 0.5) about 65% of a pool is free; size pools so the
 # largest request needs at most this share of them.
@@ -40,20 +41,19 @@ class Instances:
     stream_prefill: tuple[Layout, ...] = ()
     stream_decode: tuple[Layout, ...] = ()
 
-    def arena_bytes(self, side: str) -> int:
+    def arena_bytes(self, side: ServeRole) -> int:
         """One rank's arena: big enough for every layout of that side."""
         layouts = (
             (self.prefill, self.naive_prefill, self.stream_prefill)
-            if side == "prefill"
+            if side is ServeRole.PREFILL
             else (self.decode, self.naive_decode, self.stream_decode)
         )
         return max(each[0].arena_bytes for each in layouts if each)
 
     @property
     def total_bytes(self) -> int:
-        return self.arena_bytes("prefill") * len(self.prefill) + self.arena_bytes("decode") * len(
-            self.decode
-        )
+        prefill, decode = self.arena_bytes(ServeRole.PREFILL), self.arena_bytes(ServeRole.DECODE)
+        return prefill * len(self.prefill) + decode * len(self.decode)
 
 
 def pool_blocks(geometry: ModelGeometry, block_size: int, max_tokens: int) -> int:

@@ -126,6 +126,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from transfer.bench.decode_steps import read_step_totals
+    from transfer.bench.proc_cpu import tree_cpu_seconds
     from transfer.bench.serve_load import run_load
     from transfer.bench.serve_rounds import combine_rounds, throughput_ratios
     from transfer.presets import load_geometry
@@ -160,10 +161,14 @@ def run(args: argparse.Namespace) -> int:
             rounds.append([])
             for level in levels:
                 before = read_step_totals(decode_metrics)
+                cpu_before = [tree_cpu_seconds(p.popen.pid) for p in pair.procs[1:3]]
                 result = run_load(
                     address, pair.token, conversations, args.max_tokens, level, args.timeout
                 )
+                cpu = [tree_cpu_seconds(p.popen.pid) - b
+                       for p, b in zip(pair.procs[1:3], cpu_before, strict=True)]  # fmt: skip
                 steps = read_step_totals(decode_metrics).since(before)
+                steps |= {"decode_cpu_s": round(cpu[0], 3), "router_cpu_s": round(cpu[1], 3)}
                 label = f" (round {round_index + 1}/{args.rounds})" if args.rounds > 1 else ""
                 print(f"bench serve: concurrency {level}{label}: "
                       f"{result.output_tokens_per_s:.1f} tok/s, "
@@ -172,6 +177,10 @@ def run(args: argparse.Namespace) -> int:
                       f"{result.failed} failed", file=sys.stderr)  # fmt: skip
                 rounds[-1].append(result.to_dict() | steps)
         results = [combine_rounds([r[j] for r in rounds]) for j in range(len(levels))]
+        for r in results:
+            for side in ("decode", "router"):
+                per_token = 1e3 * r[f"{side}_cpu_s"] / max(1, r["output_tokens"])
+                r[f"{side}_cpu_ms_per_token"] = round(per_token, 3)
     finally:
         pair.close()
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -195,12 +204,15 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        header = f"{'conc':>5} {'tok/s':>9} {'ttft p50':>9} {'ttft p99':>9} {'itl p50':>8} {'e2e p50':>8} {'xfer p50':>8} {'batch':>6} {'failed':>6}"
+        header = (f"{'conc':>5} {'tok/s':>9} {'ttft p50':>9} {'ttft p99':>9} {'itl p50':>8} "
+                  f"{'e2e p50':>8} {'xfer p50':>8} {'batch':>6} {'failed':>6} "
+                  f"{'cpu ms/tok decode':>17} {'router':>6}")  # fmt: skip
         print(header)
         for r in results:
             print(f"{r['concurrency']:>5} {r['output_tokens_per_s']:>9.1f} {r['ttft_ms']['p50']:>9.1f} "
                   f"{r['ttft_ms']['p99']:>9.1f} {r['itl_ms']['p50']:>8.1f} {r['e2e_ms']['p50']:>8.1f} "
-                  f"{r['transfer_ms']['p50']:>8.2f} {r['decode_batch_mean']:>6.1f} {r['failed']:>6}")  # fmt: skip
+                  f"{r['transfer_ms']['p50']:>8.2f} {r['decode_batch_mean']:>6.1f} {r['failed']:>6} "
+                  f"{r['decode_cpu_ms_per_token']:>17.2f} {r['router_cpu_ms_per_token']:>6.2f}")  # fmt: skip
         if args.rounds > 1:
             print(f"(medians over {args.rounds} rounds)")
         for level, ratios in report["throughput_ratios"].items():

@@ -128,12 +128,16 @@ class TransferClient(_Client):
         super().__init__(address, **kwargs)
         self._stub = transfer_pb2_grpc.TransferServiceStub(self._channel)
 
-    def handshake(self, instance_id: str, compat: Mapping[str, str]) -> HandshakeReply:
-        """Compare `compat` with the prefill instance's; FAILED_PRECONDITION names the fields that differ."""
+    def handshake(
+        self, instance_id: str, compat: Mapping[str, str], timeout_s: float | None = None
+    ) -> HandshakeReply:
+        """Compare `compat` with the prefill instance's; FAILED_PRECONDITION names the fields
+        that differ. `timeout_s` shortens the client's deadline."""
         request = HandshakeRequest(
             instance_id=instance_id, compat=dict(compat), compat_hash=compat_hash(compat)
         )
-        reply = self._call(self._stub.Handshake, convert.handshake_request_to_pb(request))
+        pb = convert.handshake_request_to_pb(request)
+        reply = self._call(self._stub.Handshake, pb, timeout_s)
         return convert.handshake_reply_from_pb(reply)
 
     def acquire(self, request_id: str, holder: str) -> Ticket:

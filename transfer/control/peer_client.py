@@ -104,10 +104,22 @@ class PeerClient:
     # ---- calls ---------------------------------------------------------------------------
 
     def handshake(
-        self, address: str, instance_id: str, compat: Mapping[str, str], tag: Any = None
+        self,
+        address: str,
+        instance_id: str,
+        compat: Mapping[str, str],
+        tag: Any = None,
+        timeout_s: float | None = None,
     ) -> None:
+        """`timeout_s` shortens the client's deadline for this call."""
         compat = dict(compat)
-        self._submit(PeerOp.HANDSHAKE, address, "", tag, lambda c: c.handshake(instance_id, compat))
+        self._submit(
+            PeerOp.HANDSHAKE,
+            address,
+            "",
+            tag,
+            lambda c: c.handshake(instance_id, compat, timeout_s),
+        )
 
     def acquire(self, address: str, request_id: str, tag: Any = None) -> None:
         self._submit(

@@ -4,7 +4,7 @@ the group forms.
 torch's `init_method="tcp://HOST:PORT"` makes rank 0 serve an unauthenticated key-value
 store on every interface (`*:PORT`) for the life of the process, whatever HOST says.
 Here rank 0 binds the listening socket itself, to HOST, and hands it to `TCPStore`; once
-the group has formed, the listener is shut down. The ranks keep the connections they
+the group has formed, the listener is closed. The ranks keep the connections they
 opened, so the store still answers them; nobody new can connect.
 """
 
@@ -30,6 +30,7 @@ class Rendezvous:
         host, port = parts.hostname, parts.port
         timeout = datetime.timedelta(seconds=timeout_s)
         self._listen_fd: int | None = None
+        self._quiet_writer: int | None = None  # keeps the pipe behind the stopped listener idle
         if rank == 0:
             self._listen_fd = _listen(host, port)
             self.store = dist.TCPStore(
@@ -39,12 +40,21 @@ class Rendezvous:
             self.store = dist.TCPStore(host, port, world_size, False, timeout)
 
     def stop_listening(self) -> None:
-        """Stop accepting connections (the store's existing ones stay). The socket is
-        shut down, not closed: the store's event loop owns its descriptor and closes it."""
+        """Stop accepting connections (the store's existing ones stay).
+
+        The store's event loop owns the listener's descriptor and polls it for as long as
+        the process lives, so the socket is neither closed under the loop nor shut down (a
+        shut-down listener polls as ready for ever: the loop spun most of a core on it).
+        Instead the descriptor is pointed at the read end of a pipe whose write end stays
+        open here and is never written: the listening socket closes (the port is free),
+        and whatever the loop polls from then on never becomes ready."""
         if self._listen_fd is None:
             return
-        with socket.socket(fileno=os.dup(self._listen_fd)) as listener:
-            listener.shutdown(socket.SHUT_RDWR)
+        quiet, self._quiet_writer = os.pipe()
+        try:
+            os.dup2(quiet, self._listen_fd)
+        finally:
+            os.close(quiet)
         self._listen_fd = None
 
 

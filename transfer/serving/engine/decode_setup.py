@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-HANDSHAKE_TIMEOUT_S = 10.0
+HANDSHAKE_TIMEOUT_S = 10.0  # the Handshake call's own deadline (AddPeers follows it)
 
 
 class DecodeSetup:
@@ -44,6 +44,7 @@ class DecodeSetup:
         self.options = options
         self.peers = PeerTable(known_prefill)
         self._handshaking: dict[str, list[Request]] = {}  # address -> requests waiting on it
+        self._waiters: dict[str, list[Future]] = {}  # address -> callers of `when_handshaken`
 
     @staticmethod
     def busy(request: Request) -> bool:
@@ -65,12 +66,35 @@ class DecodeSetup:
         if peer is not None:
             self._acquire(request, peer)
             return
-        waiting = self._handshaking.setdefault(ticket.address, [])
-        waiting.append(request)
-        if len(waiting) == 1:
-            self.engine.peer_client.handshake(
-                ticket.address, self.engine.instance_id, self.instance.compat, tag=ticket.address
-            )
+        self._handshake(ticket.address)
+        self._handshaking[ticket.address].append(request)
+
+    def prewarm(self, address: str) -> None:
+        """Handshake with a prefill instance before its first ticket, so that no request's
+        exposed transfer pays for connecting. A failure is only logged: the first request
+        handshakes again."""
+        if self.peers.get(address) is None:
+            self._handshake(address)
+
+    def when_handshaken(self, address: str, instance_id: str, done: Future) -> None:
+        """Resolve `done` with the peer at `address` once handshaken (now, if it is), or
+        with the handshake's error. A handshake in flight is joined, never doubled: two
+        AddPeers for one peer could leave a warm-up READ queued behind a caller that has
+        already moved on (test_bug14 stops the prefill rank right after)."""
+        peer = self.peers.get(address, instance_id)
+        if peer is not None:
+            done.set_result(peer)
+            return
+        self._handshake(address)
+        self._waiters.setdefault(address, []).append(done)
+
+    def _handshake(self, address: str) -> None:
+        """Start a handshake with `address` unless one is in flight."""
+        if address in self._handshaking:
+            return
+        self._handshaking[address] = []
+        self.engine.peer_client.handshake(address, self.engine.instance_id, self.instance.compat,
+                                          tag=address, timeout_s=HANDSHAKE_TIMEOUT_S)  # fmt: skip
 
     def _handshaken(self, event: PeerEvent) -> None:
         address = event.address
@@ -93,6 +117,8 @@ class DecodeSetup:
             peer = Peer(reply.instance_id, address, layouts, client)
             self.peers.add(peer)
             logger.info("handshake with %s (%s): tp %d", reply.instance_id, address, len(layouts))
+            for waiter in self._waiters.pop(address, []):
+                waiter.set_result(peer)
             for request in self._handshaking.pop(address, []):
                 if not self.engine.is_ending(request):
                     self._acquire(request, peer)
@@ -100,7 +126,13 @@ class DecodeSetup:
         self.engine.add_command(command, added)
 
     def _handshake_failed(self, address: str, error: BaseException) -> None:
-        for request in self._handshaking.pop(address, []):
+        waiting = self._handshaking.pop(address, [])
+        waiters = self._waiters.pop(address, [])
+        if not waiting and not waiters:
+            logger.info("handshake with %s: %s (the first request tries again)", address, error)
+        for waiter in waiters:
+            waiter.set_exception(error)
+        for request in waiting:
             if not self.engine.is_ending(request):
                 self.engine.finish(request, error)
 

@@ -52,6 +52,10 @@ HEALTH_TIMEOUT_S = 2.0
 # An instance that answered UNAVAILABLE (dead, or restarting) is tried after the others for
 # this long; then it is tried in turn again, so one that came back gets requests again.
 DOWN_S = 5.0
+# `introduce` retries a decode instance that did not take its prefill list this often, for
+# this long (it may still be starting); later, a request's first ticket registers its prefill.
+INTRODUCE_RETRY_S = 0.5
+INTRODUCE_FOR_S = 120.0
 
 
 class RouterMetrics:
@@ -156,6 +160,7 @@ class Router:
         self._transfer_lock = threading.Lock()
         self._transfer_clients: dict[str, TransferClient] = {}
         self._registered: set[tuple[str, str]] = set()  # (decode target, prefill address)
+        self._closed = threading.Event()
         health = {"timeout_s": HEALTH_TIMEOUT_S}
         self._health = (
             _Pool(prefill, lambda t, a: TransferClient(t, **self._kwargs(a, **health))),
@@ -312,6 +317,30 @@ class Router:
         with self._transfer_lock:
             self._registered.add(key)
 
+    def introduce(self) -> threading.Thread:
+        """Register every prefill instance with every decode instance now, in the background
+        (retrying one that is not up yet), so that each decode handshakes before the first
+        ticket comes instead of inside that request's transfer."""
+        thread = threading.Thread(target=self._introduce, name="router-introduce", daemon=True)
+        thread.start()
+        return thread
+
+    def _introduce(self) -> None:
+        deadline = time.monotonic() + INTRODUCE_FOR_S
+        prefills = [target for target, _ in self._prefill.order()]
+        pending = dict(self._decode.order())
+        while pending and not self._closed.is_set():
+            for target, client in list(pending.items()):
+                try:
+                    for prefill in prefills:
+                        self._register(target, client, prefill)
+                    del pending[target]
+                except ControlError as exc:
+                    if time.monotonic() > deadline:
+                        logger.info("decode %s took no prefill list (%s)", target, exc)
+                        del pending[target]
+            self._closed.wait(INTRODUCE_RETRY_S)
+
     def _abort(self, ticket: Ticket, reason: str) -> None:
         """Best effort: a dead prefill instance has freed everything anyway."""
         address, request_id = ticket.address, ticket.request_id
@@ -326,6 +355,7 @@ class Router:
             logger.info("abort of %r at %s: %s", request_id, address, exc)
 
     def close(self) -> None:
+        self._closed.set()
         self._prefill.close()
         self._decode.close()
         for pool in self._health:

@@ -110,6 +110,7 @@ def _serve_router(
         if metrics_server:
             metrics_server.stop()
         raise
+    router.introduce()
     _announce(ServeRole.ROUTER, server, metrics_server)
     try:
         stop.wait()
