@@ -12,8 +12,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from tests.support.prefill_fakes import BLOCK, TIMEOUT_S, fake_instance, hold
-from transfer.control.errors import UnknownRequest
+from tests.support.prefill_fakes import TIMEOUT_S, fake_instance, hold
+from transfer.control.errors import UnknownRequest, status_code_name
 from transfer.control.types import PrefillRequest, Ticket
 from transfer.errors import (
     Cancelled,
@@ -179,17 +179,22 @@ def test_a_retry_under_the_same_id_waits_for_the_last_attempts_free(make):
     assert_all_back(engine)
 
 
-def test_admission_refuses_what_can_never_fit_and_a_full_queue(make, monkeypatch):
+def test_admission_refuses_what_can_never_fit_and_a_full_queue(make):
     engine, _ = make(budget=100, num_blocks=4, num_slots=1, max_queue=1)
-    assert isinstance(outcome(engine.submit(request("huge", 5 * BLOCK))), InvalidInput)
+    huge = outcome(engine.submit(request("huge", 65)))
+    assert isinstance(huge, InvalidInput) and status_code_name(huge) == "INVALID_ARGUMENT"
+    assert "need 5 KV blocks of 16; this instance has 4" in str(huge)
     holder = outcome(engine.submit(request("a", 16)))  # the only slot
     with hold(engine):
         waiting = engine.submit(request("b", 16))
         refused = engine.submit(request("c", 16))  # beyond --max-queue 1
-    assert isinstance(outcome(refused), CapacityError)
+    full = outcome(refused)
+    assert isinstance(full, CapacityError) and "--max-queue 1" in str(full)
+    assert status_code_name(full) == "RESOURCE_EXHAUSTED"
     assert waiting.phase is PrefillPhase.QUEUED and engine.num_waiting == 1
     engine.store.abort("a", "test")
     assert outcome(waiting).slot_id == holder.slot_id
+    assert engine.num_waiting == 0
     engine.store.abort("b", "test")
     assert_all_back(engine)
 
@@ -198,7 +203,8 @@ def test_a_prompt_waits_for_room_only_so_long(make):
     engine, _ = make(budget=100, num_slots=1)
     engine.cache.wait_s = 0.0  # its next look at the queue is past the deadline
     outcome(engine.submit(request("a", 16)))
-    assert isinstance(outcome(engine.submit(request("b", 16))), DeadlineExceeded)
+    late = outcome(engine.submit(request("b", 16)))
+    assert isinstance(late, DeadlineExceeded) and "no room within 0s" in str(late)
     engine.store.abort("a", "test")
     assert_all_back(engine)
 
