@@ -25,13 +25,11 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 from transfer.cache.extents import count_runs
-from transfer.control.errors import ControlError, UnknownRequest
+from transfer.control.errors import ControlError
 from transfer.control.metrics import WorkerMetrics
-from transfer.control.tickets import TicketStore
-from transfer.control.types import ControlConfig, FreeReason, PrefillRequest, Ticket
+from transfer.control.types import FreeReason, PrefillRequest, Ticket
 from transfer.errors import (
     Cancelled,
-    CapacityError,
     Closed,
     DeadlineExceeded,
     InvalidInput,
@@ -41,10 +39,11 @@ from transfer.errors import (
 from transfer.serving.engine.cache_manager import PROMPT_WAIT_S, CacheManager
 from transfer.serving.engine.instance import Instance
 from transfer.serving.engine.prefill_plan import check_budget, chunk_of, plan_batch
+from transfer.serving.engine.prefill_tickets import PrefillTickets, same_ticket
 from transfer.serving.engine.request import PrefillPhase, Prompt
 from transfer.serving.engine.step import Answer, EngineStep, SentStep, StepPlan
-from transfer.serving.ranks.commands import PrefillBatch, Snapshot, StageGather, TokenPick
-from transfer.serving.ranks.progress import TransferMode, next_key
+from transfer.serving.ranks.commands import PrefillBatch, Snapshot, TokenPick
+from transfer.serving.ranks.progress import TransferMode
 from transfer.serving.ranks.rank_protocol import same_on_every_rank
 from transfer.serving.ranks.spec import Copies
 from transfer.serving.role import ServeRole
@@ -71,17 +70,10 @@ class PrefillEngine:
         self.instance = instance
         self.metrics = metrics
         self.budget = check_budget(instance.config.max_num_batched_tokens)
-        plan = instance.plan
-        config = ControlConfig(
-            num_kv_blocks=plan.num_kv_blocks,
-            num_state_slots=plan.num_state_slots,
-            block_size=plan.block_size,
-            max_blocks_per_request=plan.num_kv_blocks,
-            lease_s=lease_s,
+        self.tickets = PrefillTickets(
+            instance, instance_id, address, lease_s, self._on_free, metrics
         )
-        self.store = TicketStore(
-            config, self._on_free, instance_id=instance_id, address=address, metrics=metrics
-        )
+        self.store = self.tickets.store
         self.cache = CacheManager(instance, wait_s=PROMPT_WAIT_S)
         self.layerwise = instance.config.transfer_mode is TransferMode.LAYERWISE
         self.queued: list[Prompt] = []  # QUEUED, in arrival order
@@ -89,7 +81,6 @@ class PrefillEngine:
         self.holding: dict[str, Prompt] = {}  # request id -> the prompt holding a cache under it
         self._snapshots: list[Prompt] = []  # prefilled, their dump snapshot for the next step
         self._stages: list[tuple[str, tuple[Copies, ...], int, Future]] = []
-        self._keys: dict[int, int] = {}  # slot -> the stream key it last had
         self._new: queue.SimpleQueue[Prompt] = queue.SimpleQueue()
         self._events: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._barriers: list[threading.Event] = []
@@ -231,7 +222,9 @@ class PrefillEngine:
             plan.add(command)
         stages, self._stages = self._stages, []
         for rid, copies, nbytes, future in stages:
-            self._add_stage(plan, rid, copies, nbytes, future)
+            gather = self.tickets.stage(self.holding.get(rid), rid, copies, nbytes, future)
+            if gather is not None:
+                plan.add(*gather)
         snapshots, self._snapshots = self._snapshots, []
         for prompt in snapshots:
             snapshot = Snapshot(prompt.request_id, ServeRole.PREFILL, prompt.blocks, prompt.slot,
@@ -326,73 +319,24 @@ class PrefillEngine:
             self._publish(prompt)
 
     def _publish(self, prompt: Prompt) -> None:
-        if prompt.ticket is not None:  # streamed: published when its cache was allocated
-            prompt.phase = PrefillPhase.PUBLISHED
-            return
-        first = prompt.first
         try:
-            prompt.ticket = self.store.publish(
-                prompt.request_id, list(prompt.blocks), prompt.slot, prompt.num_tokens,
-                first.token, first_logprob=first.logprob, cached_tokens=prompt.cached_tokens,
-                block_hashes=prompt.hashes,
-            )  # fmt: skip
+            self.tickets.publish(prompt)
         except PdxferError as exc:
             self.fail(prompt, exc)
-            return
-        prompt.phase = PrefillPhase.PUBLISHED
-        prompt.out.put(prompt.ticket)
 
     def _publish_early(self, prompt: Prompt) -> None:
-        """Layer-wise streaming: publish the ticket now, with a fresh key for the slot, and
-        prefill in the next steps; decode reads each part once the ranks publish it. A
-        failed prefill aborts the ticket, so its decode's next heartbeat fails."""
-        key = next_key(self._keys.get(prompt.slot, 0))
-        self._keys[prompt.slot] = key
-        prompt.stream_key = key
+        """Layer-wise streaming: the ticket now, the prompt in the next steps. A failed
+        prefill aborts the ticket, so its decode's next heartbeat fails."""
         try:
-            prompt.ticket = self.store.publish(
-                prompt.request_id, list(prompt.blocks), prompt.slot, prompt.num_tokens, 0,
-                cached_tokens=prompt.cached_tokens, block_hashes=prompt.hashes, stream_key=key,
-            )  # fmt: skip
+            self.tickets.publish_early(prompt)
         except PdxferError as exc:
             self.fail(prompt, exc)
-            return
-        prompt.is_cancelled = _published  # the caller has its ticket; the ticket's free ends it
-        prompt.out.put(prompt.ticket)
-
-    def _add_stage(self, plan, rid: str, copies, nbytes: int, future: Future) -> None:
-        staging, base = self.instance.staging, self.instance.layouts[0].staging_offset
-        prompt = self.holding.get(rid)
-        if prompt is None or self.store.get(rid) is None:
-            future.set_exception(UnknownRequest(f"request_id {rid!r}: no live ticket to stage"))
-            return
-        offset = staging.allocate(rid, nbytes)
-        if offset is None:
-            future.set_exception(CapacityError(
-                f"staging: {nbytes} bytes asked, the largest free extent is "
-                f"{staging.largest_free_bytes} of {staging.capacity_bytes}"
-            ))  # fmt: skip
-            return
-        placed = tuple(Copies(c.src, c.dst + base + offset, c.nbytes) for c in copies)
-
-        def staged(answer: Answer) -> None:
-            if isinstance(answer, BaseException):
-                staging.free(rid)
-                future.set_exception(answer)
-            elif prompt.phase is PrefillPhase.DONE:  # freed while staging
-                future.set_exception(UnknownRequest(f"request_id {rid!r}: freed while staging"))
-            else:
-                if self.metrics is not None:
-                    self.metrics.transfers_staged.inc()
-                future.set_result(base + offset)
-
-        plan.add(StageGather(placed), staged)
 
     # -- the end of a prompt --------------------------------------------------------------
 
     def _ticket_freed(self, ticket: Ticket) -> None:
         prompt = self.holding.get(ticket.request_id)
-        if prompt is None or not _same(prompt.ticket, ticket):  # failed and released already
+        if prompt is None or not same_ticket(prompt.ticket, ticket):  # released already
             logger.debug("freed ticket %r holds no cache here", ticket.request_id)
             return
         self._release(prompt)
@@ -401,7 +345,7 @@ class PrefillEngine:
         """End `prompt` with `error`: a published (streamed) one by aborting its ticket,
         whose free gives the cache back; any other by telling its caller and releasing."""
         # While it holds its id, a live ticket under the id is its own.
-        if prompt.ticket is not None and self.store.get(prompt.request_id) is not None:
+        if self.tickets.is_live(prompt):
             if not isinstance(error, Cancelled):
                 logger.warning("streamed prefill of %r failed: %s", prompt.request_id, error)
             self._stop(prompt)
@@ -456,16 +400,3 @@ def _cancelled(prompt: Prompt) -> bool:
     except Exception:  # noqa: BLE001 - a broken callback must not stop the loop
         logger.exception("is_cancelled of %r failed", prompt.request_id)
         return False
-
-
-def _published() -> bool:
-    return False
-
-
-def _same(mine: Ticket | None, freed: Ticket) -> bool:
-    """Whether `freed` is `mine` (renewed leases change only its deadline)."""
-    return mine is not None and (mine.request_id, mine.abort_key, mine.slot_id) == (
-        freed.request_id,
-        freed.abort_key,
-        freed.slot_id,
-    )
