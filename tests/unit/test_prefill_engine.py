@@ -22,6 +22,7 @@ from transfer.errors import (
     DeadlineExceeded,
     InvalidInput,
     PdxferError,
+    WrongState,
 )
 from transfer.serving.engine.prefill_engine import PrefillEngine
 from transfer.serving.engine.request import PrefillPhase
@@ -216,11 +217,24 @@ def test_stage_gathers_into_one_extent_in_a_step_and_refuses_unknown_tickets(mak
     offset = engine.stage("s", copies, 48).result(TIMEOUT_S)
     assert offset >= 4096 and worker.log[-1][1:] == ("stage", (offset, offset + 32))
     assert engine.instance.staging.free_bytes < engine.instance.staging.capacity_bytes
+    with pytest.raises(WrongState, match="already holds an extent"):  # one per ticket
+        engine.stage("s", copies, 48).result(TIMEOUT_S)
     with pytest.raises(UnknownRequest):
         engine.stage("nobody", copies, 48).result(TIMEOUT_S)
     engine.store.abort(ticket.request_id, "test")
     assert_all_back(engine)
     assert engine.instance.staging.free_bytes == engine.instance.staging.capacity_bytes
+
+
+def test_a_dump_snapshot_runs_in_the_step_of_the_last_chunk_before_the_ticket(make, tmp_path):
+    """So a stream's ticket, freed as soon as decode has read it, never loses its snapshot."""
+    engine, worker = make(budget=64, dump_dir=str(tmp_path))
+    ticket = outcome(engine.submit(request("d", 100)))
+    last = worker.log[-1][0]
+    assert [e[1] for e in worker.log if e[0] == last] == ["prefill", "snapshot"]
+    assert [e for e in worker.log if e[1] == "snapshot"] == [(last, "snapshot", "d")]
+    engine.store.abort(ticket.request_id, "test")
+    assert_all_back(engine)
 
 
 def test_bad_budget_and_close(make):

@@ -79,7 +79,6 @@ class PrefillEngine:
         self.queued: list[Prompt] = []  # QUEUED, in arrival order
         self.running: list[Prompt] = []  # ALLOCATED or PREFILLING, in arrival order
         self.holding: dict[str, Prompt] = {}  # request id -> the prompt holding a cache under it
-        self._snapshots: list[Prompt] = []  # prefilled, their dump snapshot for the next step
         self._stages: list[tuple[str, tuple[Copies, ...], int, Future]] = []
         self._new: queue.SimpleQueue[Prompt] = queue.SimpleQueue()
         self._events: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
@@ -225,11 +224,6 @@ class PrefillEngine:
             gather = self.tickets.stage(self.holding.get(rid), rid, copies, nbytes, future)
             if gather is not None:
                 plan.add(*gather)
-        snapshots, self._snapshots = self._snapshots, []
-        for prompt in snapshots:
-            snapshot = Snapshot(prompt.request_id, ServeRole.PREFILL, prompt.blocks, prompt.slot,
-                                prompt.num_tokens)  # fmt: skip
-            plan.add(snapshot, lambda a, p=prompt: self._on_snapshot(p, a))
         batch = plan_batch(self.running, self.budget)
         if batch:
             saves = [self._reserve(p, n) for p, n in batch]
@@ -240,6 +234,12 @@ class PrefillEngine:
             for prompt, _ in batch:
                 prompt.phase = PrefillPhase.PREFILLING
             plan.add(PrefillBatch(chunks), lambda a: self._on_picks(batch, saves, a))
+            if self.instance.config.dump_dir:  # in the same step: before any free can come
+                for prompt, n in batch:
+                    if prompt.done + n == prompt.num_tokens:
+                        snapshot = Snapshot(prompt.request_id, ServeRole.PREFILL, prompt.blocks,
+                                            prompt.slot, prompt.num_tokens)  # fmt: skip
+                        plan.add(snapshot, lambda a, p=prompt: self._on_snapshot(p, a))
         return plan
 
     def _run(self, plan: StepPlan) -> None:
@@ -297,7 +297,7 @@ class PrefillEngine:
 
     def _prefilled(self, prompt: Prompt, pick: TokenPick) -> None:
         """Its last chunk ran: the prefix cache takes its blocks; then its ticket is
-        published (after its dump snapshot, with --dump-dir)."""
+        published (with --dump-dir once its snapshot, later in the same step, is answered)."""
         self.running.remove(prompt)
         prefix = self.instance.prefix
         self.cache.let_go(prompt)
@@ -307,12 +307,12 @@ class PrefillEngine:
             if self.metrics is not None:
                 self.metrics.record_prefix(prefix.counts())
         prompt.first = pick
-        if self.instance.config.dump_dir:
-            self._snapshots.append(prompt)
-        else:
+        if not self.instance.config.dump_dir:
             self._publish(prompt)
 
     def _on_snapshot(self, prompt: Prompt, answer: Answer) -> None:
+        if prompt.first is None or prompt.phase is not PrefillPhase.PREFILLING:
+            return  # its last chunk failed (or it ended): nothing to publish
         if isinstance(answer, BaseException):
             self.fail(prompt, answer)
         else:
@@ -357,7 +357,7 @@ class PrefillEngine:
         self._release(prompt)
 
     def _stop(self, prompt: Prompt) -> None:
-        for line in (self.queued, self.running, self._snapshots):
+        for line in (self.queued, self.running):
             if prompt in line:
                 line.remove(prompt)
 
@@ -382,12 +382,11 @@ class PrefillEngine:
             except queue.Empty:
                 break
         closed = Closed("prefill engine: the instance is shutting down")
-        for prompt in [*self.queued, *self.running, *self._snapshots]:
+        for prompt in [*self.queued, *self.running]:
             if prompt.ticket is None:
                 prompt.out.put(closed)
         self.queued.clear()
         self.running.clear()
-        self._snapshots.clear()
         for _, _, _, future in self._stages:
             future.set_exception(closed)
         for barrier in self._barriers:

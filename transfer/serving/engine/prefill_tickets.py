@@ -12,7 +12,7 @@ from transfer.control.errors import UnknownRequest
 from transfer.control.metrics import WorkerMetrics
 from transfer.control.tickets import TicketStore
 from transfer.control.types import ControlConfig, FreeReason, Ticket
-from transfer.errors import CapacityError
+from transfer.errors import CapacityError, PdxferError
 from transfer.serving.engine.instance import Instance
 from transfer.serving.engine.request import PrefillPhase, Prompt
 from transfer.serving.engine.step import Answer, Handler
@@ -90,7 +90,11 @@ class PrefillTickets:
         if prompt is None or self.store.get(rid) is None:
             future.set_exception(UnknownRequest(f"request_id {rid!r}: no live ticket to stage"))
             return None
-        offset = staging.allocate(rid, nbytes)
+        try:
+            offset = staging.allocate(rid, nbytes)
+        except PdxferError as exc:  # WrongState: the ticket holds an extent already
+            future.set_exception(exc)
+            return None
         if offset is None:
             future.set_exception(CapacityError(
                 f"staging: {nbytes} bytes asked, the largest free extent is "
