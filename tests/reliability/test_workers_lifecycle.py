@@ -374,14 +374,16 @@ def test_a_failed_read_that_may_still_land_holds_the_cache_until_settled(cluster
 
 
 def test_a_retry_under_the_same_id_waits_for_the_last_attempts_free(cluster):
-    """The prefill worker frees an aborted ticket's cache off the caller's thread. A retry
-    under the same request id (as the router sends after a failed decode) waits for that
-    free instead of failing on the blocks and slot still allocated under its id."""
+    """The prefill engine frees an aborted ticket's cache on its own thread, not the
+    caller's. A retry under the same request id (as the router sends after a failed decode)
+    waits for that free instead of failing on the blocks and slot still allocated under its
+    id."""
     prefill, _, _ = cluster
     ids = tuple(prompt(11))
     first = prefill.worker.prefill(PrefillRequest("again", ids, MAX_TOKENS))
     gate, queued = threading.Event(), threading.Event()
-    prefill.worker._frees.put(lambda: (queued.set(), gate.wait(30)))  # frees wait behind it
+    # the engine's events (the free among them) wait behind this one
+    prefill.worker.engine.call_soon(lambda: (queued.set(), gate.wait(30)))
     assert queued.wait(10)
     prefill.worker.store.abort("again", "test")
     outcome: list = []

@@ -1,5 +1,5 @@
 """The prefix cache's checkpoint policy and its plumbing below the workers: where a prompt
-saves its state, the batcher ending chunks there and asking the cache for slots, the pools
+saves its state, the prefill engine ending chunks there and asking the cache for slots, the pools
 allocating behind a hit and evicting for room, the memory plan's checkpoint slots, and the
 ticket's cached_tokens on the wire."""
 
@@ -9,17 +9,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.support.prefill_fakes import TIMEOUT_S, fake_instance
 from transfer.cache.pools import CacheFullError, CachePools
 from transfer.cache.prefix_cache import PrefixCache, block_hashes
 from transfer.control.convert import ticket_from_pb, ticket_to_pb
 from transfer.control.metrics import WorkerMetrics
-from transfer.control.types import Ticket
-from transfer.errors import InvalidInput
+from transfer.control.types import PrefillRequest, Ticket
+from transfer.errors import InvalidInput, PdxferError
 from transfer.memplan import plan_memory
 from transfer.presets import get_preset
 from transfer.serving.engine.checkpoints import PREFIX_UNIT, checkpoint_positions, checkpoint_stops
-from transfer.serving.engine.prefill_batcher import PrefillBatcher
-from transfer.serving.ranks.commands import PrefillBatch, TokenPick
+from transfer.serving.engine.prefill_engine import PrefillEngine
 
 
 @settings(max_examples=200, deadline=None)
@@ -52,72 +52,56 @@ def test_stops_name_the_unit_each_position_ends():
     assert stops == {64: hashes[0], 256: hashes[3]}
 
 
-class RecordingRanks:
-    def __init__(self) -> None:
-        self.chunks = []
+@pytest.fixture
+def engine_with_prefix():
+    made = []
 
-    def call(self, command: PrefillBatch):
-        self.chunks.append(command.chunks)
-        return [tuple(TokenPick(7, -1.0) for _ in command.chunks)]
+    def _make(worker_fails: bool = False):
+        instance, worker = fake_instance(1000, prefix_cache=True, state_checkpoints=3,
+                                         checkpoint_interval=PREFIX_UNIT)  # fmt: skip
+        if worker_fails:
+            worker.broken_slot = 0
+        engine = PrefillEngine(instance, "prefill-prefix", "127.0.0.1:1", 30.0)
+        made.append(engine)
+        return engine, worker
 
-
-def test_batcher_ends_chunks_at_checkpoints_and_saves_them_in_the_caches_slots():
-    pools = CachePools(16, 64, 4)
-    cache = PrefixCache(pools.blocks, 16, [10, 11])
-    ranks = RecordingRanks()
-    batcher = PrefillBatcher(ranks, 1000, cache)
-    try:
-        prompt = tuple(range(200))
-        hashes = block_hashes(prompt, PREFIX_UNIT)
-        stops = checkpoint_stops(hashes, [64, 128])
-        batcher.run("r", prompt, (0,), 0, checkpoints=stops)
-        steps = [(c.context_len, len(c.tokens), c.checkpoint_to) for (c,) in ranks.chunks]
-        assert steps == [(0, 64, 10), (64, 64, 11), (128, 72, -1)]
-        assert cache.checkpoint_of(hashes[0]) == 10 and cache.checkpoint_of(hashes[1]) == 11
-        # a hit restores in its first chunk only
-        ranks.chunks.clear()
-        batcher.run("s", prompt, (1,), 1, cached_tokens=128, restore_from=11)
-        assert [(c.context_len, c.restore_from) for (c,) in ranks.chunks] == [(128, 11)]
-        # a hit ending inside a block copies that block's rows in its first chunk only
-        ranks.chunks.clear()
-        stops = checkpoint_stops(hashes, [192])
-        batcher.run("t", prompt, (1, 2), 2, cached_tokens=64, restore_from=10, copy_block=5,
-                    checkpoints=stops)  # fmt: skip
-        got = [(c.context_len, c.restore_from, c.copy_block) for (c,) in ranks.chunks]
-        assert got == [(64, 10, 5), (192, -1, -1)]
-    finally:
-        batcher.close()
+    yield _make
+    for engine in made:
+        engine.close()
 
 
-def test_batcher_refuses_a_hit_without_a_checkpoint_or_covering_the_prompt():
-    batcher = PrefillBatcher(RecordingRanks(), 100)
-    try:
-        with pytest.raises(InvalidInput, match="cached_tokens"):
-            batcher.run("r", (1, 2, 3), (0,), 0, cached_tokens=2)
-        with pytest.raises(InvalidInput, match="cached_tokens"):
-            batcher.run("r", (1, 2, 3), (0,), 0, cached_tokens=3, restore_from=5)
-        with pytest.raises(InvalidInput, match="copy_block"):
-            batcher.run("r", (1, 2, 3), (0,), 0, copy_block=4)
-    finally:
-        batcher.close()
+def chunks_of(worker) -> list[tuple[int, int]]:
+    return [(context, n) for step in worker.steps for _, context, n in step]
 
 
-def test_a_failed_step_gives_its_reserved_checkpoint_back():
-    class Failing(RecordingRanks):
-        def call(self, command):
-            raise RuntimeError("rank died")
+def test_the_engine_ends_chunks_at_checkpoints_and_a_hit_restores_in_its_first_chunk(
+    engine_with_prefix,
+):
+    engine, worker = engine_with_prefix()
+    cache, prompt = engine.instance.prefix, tuple(range(200))
+    first = engine.submit(PrefillRequest("r", prompt, 4)).out.get(timeout=TIMEOUT_S)
+    assert chunks_of(worker) == [(0, 64), (64, 64), (128, 64), (192, 8)]
+    hashes = block_hashes(prompt, PREFIX_UNIT)
+    saved = [cache.checkpoint_of(h) for h in hashes[:3]]
+    assert sorted(saved) == [4, 5, 6]  # the three checkpoint slots past the 4 request slots
+    engine.store.abort("r", "test")
+    # the same prompt again: its first 192 tokens are a hit, restored in its only chunk
+    worker.steps.clear()
+    again = engine.submit(PrefillRequest("s", prompt, 4)).out.get(timeout=TIMEOUT_S)
+    assert chunks_of(worker) == [(192, 8)]
+    assert worker.chunks[-1].restore_from == cache.checkpoint_of(hashes[2])
+    assert again.cached_tokens == 192 and again.first_token == first.first_token
+    engine.store.abort("s", "test")
+    assert engine.settle(TIMEOUT_S)
+    assert engine.instance.pools.slots.num_free == 4
 
-    pools = CachePools(16, 64, 4)
-    cache = PrefixCache(pools.blocks, 16, [9])
-    batcher = PrefillBatcher(Failing(), 100, cache)
-    try:
-        prompt = tuple(range(64))
-        stops = checkpoint_stops(block_hashes(prompt, PREFIX_UNIT), [64])
-        with pytest.raises(RuntimeError):
-            batcher.run("r", prompt, (0,), 0, checkpoints=stops)
-        assert cache.reserve_checkpoint(b"x" * 16) == 9  # free again
-    finally:
-        batcher.close()
+
+def test_a_failed_step_gives_its_reserved_checkpoint_back(engine_with_prefix):
+    engine, _ = engine_with_prefix(worker_fails=True)
+    outcome = engine.submit(PrefillRequest("r", tuple(range(64)), 4)).out.get(timeout=TIMEOUT_S)
+    assert isinstance(outcome, PdxferError) and "broke midway" in str(outcome)
+    cache = engine.instance.prefix
+    assert sorted(cache.reserve_checkpoint(bytes([i]) * 16) for i in range(3)) == [4, 5, 6]
 
 
 def test_pools_allocate_behind_a_hit_and_evict_cached_blocks_for_room():

@@ -9,8 +9,8 @@ Layers, from the ground up: root < ranks < engine < openai < services < launch
   commands, the rank worker (model shard, arena, transfers), layer-wise streaming's
   progress words, and the spec a control process hands its ranks.
 - engine/: what schedules requests in one instance (its control process): the instance,
-  admission, the prefill and decode workers and their batchers, frees, checkpoints, read
-  planning, the decode side of a stream, and `ServeOptions`.
+  the prefill and decode engines (one loop each) and their workers, the cache manager,
+  checkpoints, read planning, the decode side of a stream, and `ServeOptions`.
 - openai/: the front door: the router, prefix routing, and the OpenAI-compatible HTTP
   front end over the router or over vLLM servers. From engine/ it takes `ServeOptions` only.
 - services/: `pdxfer serve`: the process that puts an engine, a router or the vLLM front

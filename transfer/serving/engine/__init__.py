@@ -1,6 +1,6 @@
 """What schedules requests inside a prefill or decode instance (a control process): the
-instance and its admission, the prefill and decode workers and their batchers, frees,
-prefix checkpoints, read planning and layer-wise streaming, and `ServeOptions`. Decode runs
-on one engine loop: a `Request` record per request (request.py), a `CacheManager`
-(cache_manager.py) and the `DecodeEngine` thread (decode_engine.py), the only sender of
-rank commands. Drives `ranks`; imports nothing above it."""
+instance, the prefill and decode workers, prefix checkpoints, read planning and layer-wise
+streaming, and `ServeOptions`. Each side runs on one engine loop, the only sender of rank
+commands: a record per request with its phase (request.py: `Request` on decode, `Prompt`
+on prefill), a `CacheManager` (cache_manager.py: admission and the one `release`), and the
+`DecodeEngine` or `PrefillEngine` thread. Drives `ranks`; imports nothing above it."""

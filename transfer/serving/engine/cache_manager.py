@@ -1,5 +1,7 @@
-"""A decode instance's cache, behind one `release(request)`: the pools, the prefix cache,
-the staging pool, admission, and the held set (caches whose failed READs may still land).
+"""An instance's cache, behind one `release(request)`: the pools, the prefix cache, the
+staging pool, admission, and (decode) the held set (caches whose failed READs may still
+land). A decode `Request` is admitted by `admit`, a prefill `Prompt` by `admit_prompt`;
+both go back through `release`.
 
 Only the engine thread calls it. Ranks are never called from here: what a step must tell
 them (end a transfer, ask whether a held one settled, release a slot) is handed back as
@@ -14,15 +16,18 @@ import logging
 import time
 
 from transfer.cache.pools import CacheFullError
+from transfer.cache.prefix_cache import block_hashes
 from transfer.errors import CapacityError, DeadlineExceeded, InvalidInput, TransferFailed
+from transfer.serving.engine.checkpoints import PREFIX_UNIT, checkpoint_positions, checkpoint_stops
 from transfer.serving.engine.instance import Instance
-from transfer.serving.engine.request import DecodePhase, Request
+from transfer.serving.engine.request import NO_HIT, DecodePhase, Prompt, Request
 from transfer.serving.ranks.commands import Release, TransferEnd, TransferSettled
 from transfer.serving.ranks.rank_protocol import RankCommand
 
 logger = logging.getLogger(__name__)
 
 ACQUIRED_WAIT_S = 5.0  # longest wait for room while holding a ticket
+PROMPT_WAIT_S = 60.0  # longest wait for room of a prompt on a prefill instance
 SETTLE_POLL_S = 0.5  # how often held caches of failed transfers are asked about
 
 
@@ -43,6 +48,7 @@ class CacheManager:
         self._commands: list[RankCommand] = []  # frees for the next step
         self._freed: list[Request] = []  # freed by the commands above
         self._last_settle_poll = 0.0
+        self.frees = 0  # caches given back so far: a waiting request tries again after one
 
     # -- admission ------------------------------------------------------------------------
 
@@ -84,7 +90,59 @@ class CacheManager:
         request.held_prefix = len(held)
         return True
 
-    def _wait(self, request: Request) -> bool:
+    def admit_prompt(self, prompt: Prompt) -> bool:
+        """Blocks and a slot for `prompt`, behind its longest prefix hit (True), or False
+        while it waits for room. Raises as `admit` does (InvalidInput, CapacityError,
+        DeadlineExceeded)."""
+        rid, num_tokens = prompt.request_id, prompt.num_tokens
+        need, total = self.pools.blocks_for(num_tokens), self.pools.blocks.num_total
+        if need > total:
+            raise InvalidInput(
+                f"num_tokens: {num_tokens} tokens need {need} KV blocks of "
+                f"{self.pools.block_size}; this instance has {total} in all (--gpu-mem)"
+            )
+        prompt.frees_seen = self.frees
+        if not prompt.hashes:
+            prompt.hashes = block_hashes(prompt.prompt_ids, self.pools.block_size)
+            prompt.unit_hashes = prompt.hashes
+            if self.prefix is not None and self.pools.block_size != PREFIX_UNIT:
+                prompt.unit_hashes = block_hashes(prompt.prompt_ids, PREFIX_UNIT)
+        hit = NO_HIT
+        if self.prefix is not None:
+            hit = self.prefix.match(prompt.unit_hashes, num_tokens - 1, rid)
+        try:
+            cache = self.pools.allocate(rid, num_tokens, prefix_blocks=hit.block_ids)
+        except BaseException as exc:
+            if hit.block_ids:
+                self.pools.blocks.free_request(rid)
+            self._let_go(hit)
+            if isinstance(exc, CacheFullError):
+                return self._wait(prompt)
+            raise
+        self.forget_waiting(prompt)
+        prompt.blocks, prompt.slot, prompt.hit = tuple(cache.block_ids), cache.slot_ids[0], hit
+        prompt.done = prompt.cached_tokens = hit.num_tokens
+        prompt.restore_from = -1 if hit.checkpoint_slot is None else hit.checkpoint_slot
+        prompt.copy_block = -1 if hit.copy_from is None else hit.copy_from
+        if self.prefix is not None:
+            interval = self.instance.config.checkpoint_interval
+            positions = checkpoint_positions(num_tokens, hit.num_tokens, interval)
+            prompt.stops = checkpoint_stops(prompt.unit_hashes, positions)
+        return True
+
+    def let_go(self, prompt: Prompt) -> None:
+        """The prompt's first chunk copied its hit's state and partial block (or never
+        will): unpin the checkpoint and drop the reference on the block it copied from."""
+        hit, prompt.hit = prompt.hit, NO_HIT
+        self._let_go(hit)
+
+    def _let_go(self, hit) -> None:
+        if hit.checkpoint_slot is not None:
+            self.prefix.unpin(hit.checkpoint_slot)
+        if hit.copy_from is not None:
+            self.prefix.release_copy_source(hit.copy_from)
+
+    def _wait(self, request: Request | Prompt) -> bool:
         now = time.monotonic()
         if request not in self.waiting:
             if len(self.waiting) >= self.max_queue:
@@ -101,17 +159,20 @@ class CacheManager:
             )
         return False
 
-    def forget_waiting(self, request: Request) -> None:
+    def forget_waiting(self, request: Request | Prompt) -> None:
         if request in self.waiting:
             self.waiting.remove(request)
 
     # -- release --------------------------------------------------------------------------
 
-    def release(self, request: Request) -> None:
+    def release(self, request: Request | Prompt) -> None:
         """Take `request`'s cache back, whatever ended it (done, failure, cancel). Once no
         READ of it can still land, its slot is released on the ranks and its blocks and
-        slot go back to the pools; until then it is HELD (docs/bugs.md #14)."""
+        slot go back to the pools; until then it is HELD (docs/bugs.md #14). A prompt's
+        prefix hit is let go too."""
         self.forget_waiting(request)
+        if isinstance(request, Prompt):
+            self.let_go(request)
         if request.slot < 0:  # it never had a cache
             self._done(request)
         elif request.transfer_started:
@@ -163,19 +224,20 @@ class CacheManager:
         if settled and self.held.pop(request.request_id, None) is not None:
             self._free(request)
 
-    def _free(self, request: Request) -> None:
+    def _free(self, request: Request | Prompt) -> None:
         """Release the slot on the ranks (in the next step) and the cache in the pools now:
         anything that reuses them is sent after that Release."""
         rid = request.request_id
         self.staging.free(rid)
         self._commands.append(Release(request.slot))
         self.pools.free(rid)
+        self.frees += 1
         self._freed.append(request)  # `released` once its Release is handed to a step
-        request.phase = DecodePhase.DONE
+        request.phase = type(request.phase).DONE  # DecodePhase or PrefillPhase
 
-    def _done(self, request: Request) -> None:
+    def _done(self, request: Request | Prompt) -> None:
         self.staging.free(request.request_id)
-        request.phase = DecodePhase.DONE
+        request.phase = type(request.phase).DONE
         request.released.set()
 
     @property

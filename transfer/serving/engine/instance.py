@@ -24,7 +24,6 @@ from transfer.control.types import make_compat
 from transfer.errors import InvalidInput
 from transfer.geometry import ModelGeometry
 from transfer.memplan import MemoryPlan, PagePolicy, plan_memory
-from transfer.serving.engine.admission import Admission
 from transfer.serving.engine.checkpoints import PREFIX_UNIT
 from transfer.serving.engine.serve_options import as_enum, serve_default
 from transfer.serving.ranks.commands import Info
@@ -217,7 +216,6 @@ class Instance:
         self.rank_layouts = tuple(info.layout for info in infos)
         self.layouts = tuple(Layout.from_dict(json.loads(b)) for b in self.rank_layouts)
         self.pools = CachePools.from_plan(self.plan)
-        self.admission = Admission(self.pools, config.max_queue)
         self.staging = StagingPool(self.layouts[0].staging_bytes, STAGING_RESERVED_BYTES)
         self.prefix = self._prefix_cache()
         fields = self.layouts[0].compat_fields()

@@ -4,8 +4,9 @@ phase to the next; a gRPC handler only submits the request and drains `out`.
 Decode:  ACQUIRING -> ACQUIRED -> TRANSFERRING -> RUNNING -> DONE
                          |            |             |
                          +------------+-------------+--> HELD (a READ may still land) -> DONE
-Prefill: QUEUED -> ALLOCATED -> PREFILLING -> PUBLISHED (defined here; the prefill side does
-not run on the engine yet).
+Prefill: QUEUED -> ALLOCATED -> PREFILLING -> PUBLISHED -> DONE (`Prompt`); any phase may end
+in DONE on a failure. Layer-wise streaming publishes its ticket at ALLOCATED, before the
+prompt has run (the handler gets the ticket then), and reaches PUBLISHED once it has.
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ import enum
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from transfer.control.types import DecodeRequest, Ticket
+from transfer.cache.prefix_cache import PrefixHit
+from transfer.control.types import DecodeRequest, PrefillRequest, Ticket
 
 
 class DecodePhase(enum.Enum):
@@ -30,10 +33,11 @@ class DecodePhase(enum.Enum):
 
 
 class PrefillPhase(enum.Enum):
-    QUEUED = "queued"
-    ALLOCATED = "allocated"
-    PREFILLING = "prefilling"
-    PUBLISHED = "published"
+    QUEUED = "queued"  # waiting for room (or for the free of an earlier request of its id)
+    ALLOCATED = "allocated"  # blocks and slot taken; no chunk has run yet
+    PREFILLING = "prefilling"  # some of its chunks ran (or a dump snapshot is being written)
+    PUBLISHED = "published"  # its whole cache is written and its ticket is live
+    DONE = "done"  # its cache is back in the pools (or it never had one)
 
 
 END = object()  # the last item of a request's `out`, after its last token
@@ -108,3 +112,57 @@ class Request:
     def steps_out(self) -> int:
         """Its decode steps at the ranks whose picks have not come back."""
         return self.scheduled - self.delivered
+
+
+NO_HIT = PrefixHit((), None, 0)
+
+
+def _never() -> bool:
+    return False
+
+
+@dataclass(eq=False)  # compared by identity
+class Prompt:
+    """A prefill request on this instance, from its arrival to its cache's return.
+
+    It owns its `blocks` and `slot`, its prefix `hit` (references on cached blocks, a pinned
+    checkpoint) until its first chunk has copied them, its staging extent (keyed by
+    `request_id` in the staging pool), its `ticket`, and `out`, which its handler drains:
+    the Ticket, or the exception that ended it.
+    """
+
+    prefill: PrefillRequest
+    is_cancelled: Callable[[], bool] = _never  # the caller went away (any thread may ask)
+    phase: PrefillPhase = PrefillPhase.QUEUED
+    arrived: float = field(default_factory=time.monotonic)
+    blocks: tuple[int, ...] = ()
+    slot: int = -1
+    hit: PrefixHit = NO_HIT
+    hashes: tuple[bytes, ...] = ()  # one per full block: the ticket's, for decode and the router
+    unit_hashes: tuple[bytes, ...] = ()  # one per full PREFIX_UNIT: this instance's prefix cache
+    stops: dict[int, bytes] = field(default_factory=dict)  # checkpoint position -> unit hash
+    cached_tokens: int = 0  # its prefix hit's tokens (in the cache before its first chunk)
+    done: int = 0  # prompt tokens already in the cache
+    restore_from: int = -1  # the checkpoint slot to start from (until the first chunk ran)
+    copy_block: int = -1  # the cached block whose rows the hit ends in (until the first chunk)
+    stream_key: int = 0  # layer-wise streaming: the ranks publish progress under this key
+    alone: bool = False  # a batch holding it failed its checks: its next chunk runs alone
+    first: Any = None  # the TokenPick its last chunk made
+    ticket: Ticket | None = None
+    waited_since: float = 0.0  # when it started waiting for room (time.monotonic())
+    frees_seen: int = -1  # the cache's free count at its last try for room
+    out: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    released: threading.Event = field(default_factory=threading.Event)  # no step touches it
+    transfer_started: bool = False  # never: no READ lands in a prefill instance's cache
+
+    @property
+    def request_id(self) -> str:
+        return self.prefill.request_id
+
+    @property
+    def prompt_ids(self) -> tuple[int, ...]:
+        return self.prefill.prompt_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prefill.prompt_ids)

@@ -1,0 +1,401 @@
+"""The prefill instance's engine: one loop thread that alone commands the ranks.
+
+Each step it takes the prompts that arrived and the events other threads queued (frees
+from the ticket store, Stage calls, settle barriers), admits waiting prompts into the
+cache, and sends ONE rank command (`EngineStep`) carrying the step's slot releases, stage
+gathers, dump snapshots and the prefill batch (`prefill_plan`). When the answer comes back
+it moves each prompt on: a prompt whose last chunk ran goes into the prefix cache and
+publishes its ticket (its handler returns it); a freed ticket's cache goes back through
+the cache manager's `release`.
+
+A failed batch fails only the prompts it must: one that failed its checks (bad input, a
+slot in the wrong state) changed nothing but restored slots, which a rerun restores again,
+so each of its prompts runs its next chunk alone and only the culprit fails. Any other
+failure may have left states half-advanced (or the rank group is gone): all of it fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+
+from transfer.cache.extents import count_runs
+from transfer.control.errors import ControlError
+from transfer.control.metrics import WorkerMetrics
+from transfer.control.types import FreeReason, PrefillRequest, Ticket
+from transfer.errors import (
+    Cancelled,
+    Closed,
+    DeadlineExceeded,
+    InvalidInput,
+    PdxferError,
+    WrongState,
+)
+from transfer.serving.engine.cache_manager import PROMPT_WAIT_S, CacheManager
+from transfer.serving.engine.instance import Instance
+from transfer.serving.engine.prefill_plan import check_budget, chunk_of, plan_batch
+from transfer.serving.engine.prefill_tickets import PrefillTickets, same_ticket
+from transfer.serving.engine.request import PrefillPhase, Prompt
+from transfer.serving.engine.step import Answer, EngineStep, SentStep, StepPlan
+from transfer.serving.ranks.commands import PrefillBatch, Snapshot, TokenPick
+from transfer.serving.ranks.progress import TransferMode
+from transfer.serving.ranks.rank_protocol import same_on_every_rank
+from transfer.serving.ranks.spec import Copies
+from transfer.serving.role import ServeRole
+
+logger = logging.getLogger(__name__)
+
+FREE_WAIT_S = 30.0  # how long a prompt waits for the free of an earlier one of its id
+IDLE_WAIT_S = 1.0  # an idle loop still wakes this often (admission deadlines)
+WAITING_POLL_S = 0.05  # how often prompts waiting on an earlier one of their id look again
+STEP_TIMEOUT_S = 300.0
+
+
+class PrefillEngine:
+    """Runs every prompt of one prefill instance on one thread; `store` holds its tickets."""
+
+    def __init__(
+        self,
+        instance: Instance,
+        instance_id: str,
+        address: str,
+        lease_s: float,
+        metrics: WorkerMetrics | None = None,
+    ) -> None:
+        self.instance = instance
+        self.metrics = metrics
+        self.budget = check_budget(instance.config.max_num_batched_tokens)
+        self.tickets = PrefillTickets(
+            instance, instance_id, address, lease_s, self._on_free, metrics
+        )
+        self.store = self.tickets.store
+        self.cache = CacheManager(instance, wait_s=PROMPT_WAIT_S)
+        self.layerwise = instance.config.transfer_mode is TransferMode.LAYERWISE
+        self.queued: list[Prompt] = []  # QUEUED, in arrival order
+        self.running: list[Prompt] = []  # ALLOCATED or PREFILLING, in arrival order
+        self.holding: dict[str, Prompt] = {}  # request id -> the prompt holding a cache under it
+        self._stages: list[tuple[str, tuple[Copies, ...], int, Future]] = []
+        self._new: queue.SimpleQueue[Prompt] = queue.SimpleQueue()
+        self._events: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._barriers: list[threading.Event] = []
+        self._wake = threading.Event()
+        self.steps = 0  # steps sent: tests count in steps, not seconds
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="prefill-engine", daemon=True)
+        self._thread.start()
+
+    # -- called from other threads --------------------------------------------------------
+
+    def submit(
+        self, request: PrefillRequest, is_cancelled: Callable[[], bool] | None = None
+    ) -> Prompt:
+        """Queue `request`; its Ticket (or the error that ended it) arrives on `out`. Once
+        `is_cancelled()` is true the prompt stops at its next chunk and frees its cache."""
+        prompt = Prompt(request) if is_cancelled is None else Prompt(request, is_cancelled)
+        if self._closed:
+            raise Closed("prefill engine: the instance is shutting down")
+        self._new.put(prompt)
+        self._wake.set()
+        return prompt
+
+    def call_soon(self, job: Callable[[], None]) -> None:
+        """Run `job` on the engine thread before its next step."""
+        if self._closed:
+            raise Closed("prefill engine: the instance is shutting down")
+        self._events.put(job)
+        self._wake.set()
+
+    def stage(self, request_id: str, copies: tuple[Copies, ...], nbytes: int) -> Future:
+        """Gather a held ticket's ranges (`copies[r]` on rank r, already placed at offsets
+        from 0) into one staging extent; the future's result is the extent's arena offset."""
+        future: Future = Future()
+        self.call_soon(lambda: self._stages.append((request_id, copies, nbytes, future)))
+        return future
+
+    def settle(self, timeout_s: float) -> bool:
+        """Whether the cache of every request freed so far is back (pools and ranks)."""
+        barrier = threading.Event()
+        try:
+            self.call_soon(lambda: self._barriers.append(barrier))
+        except Closed:
+            return True
+        return barrier.wait(timeout_s)
+
+    def _on_free(self, ticket: Ticket, reason: FreeReason) -> None:
+        """The ticket store's callback (any thread): the loop frees the cache."""
+        if reason is not FreeReason.RELEASED:
+            logger.info("request %r freed: %s", ticket.request_id, reason.value)
+        with contextlib.suppress(Closed):
+            self.call_soon(lambda: self._ticket_freed(ticket))
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.queued)
+
+    # -- the loop -------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        try:
+            while not self._closed:
+                self._intake()
+                plan = self._build_step()
+                barriers, self._barriers = self._barriers, []
+                if plan:
+                    self._run(plan)
+                for barrier in barriers:  # the frees queued before it are sent and answered
+                    barrier.set()
+                if not plan:
+                    self._wake.wait(self._idle_wait())
+                    self._wake.clear()
+        except Exception:  # noqa: BLE001 - a bug must not leave every caller hanging
+            logger.exception("prefill engine: the loop failed")
+        finally:
+            self._shut_down()
+
+    def _idle_wait(self) -> float:
+        if self.cache.waiting:  # a deadline to check
+            return min(IDLE_WAIT_S, WAITING_POLL_S * 4)
+        if self.queued:  # waiting on an earlier prompt of their id
+            return WAITING_POLL_S
+        return IDLE_WAIT_S
+
+    def _intake(self) -> None:
+        while True:
+            try:
+                job = self._events.get_nowait()
+            except queue.Empty:
+                break
+            job()
+        while True:
+            try:
+                self.queued.append(self._new.get_nowait())
+            except queue.Empty:
+                break
+        for prompt in [*self.queued, *self.running]:
+            if _cancelled(prompt):
+                self.fail(prompt, Cancelled(f"request {prompt.request_id!r}: cancelled"))
+        for prompt in list(self.queued):
+            self._admit(prompt)
+
+    def _admit(self, prompt: Prompt) -> None:
+        rid = prompt.request_id
+        try:
+            if rid in self.holding:  # a retry under its id, before the last attempt's free
+                if time.monotonic() - prompt.arrived > FREE_WAIT_S:
+                    raise DeadlineExceeded(
+                        f"request_id {rid!r}: its last attempt's cache was not freed within "
+                        f"{FREE_WAIT_S:g} s"
+                    )
+                return
+            unchanged = prompt.frees_seen == self.cache.frees  # nothing freed since its last try
+            waited = time.monotonic() - prompt.waited_since
+            if prompt in self.cache.waiting and unchanged and waited <= self.cache.wait_s:
+                return
+            if not self.cache.admit_prompt(prompt):
+                return
+        except PdxferError as exc:
+            self.fail(prompt, exc)
+            return
+        self.queued.remove(prompt)
+        self.holding[rid] = prompt
+        prompt.phase = PrefillPhase.ALLOCATED
+        self.running.append(prompt)
+        if self.metrics is not None:
+            self.metrics.record_block_runs(count_runs(prompt.blocks))
+        if self.layerwise:
+            self._publish_early(prompt)
+
+    def _build_step(self) -> StepPlan:
+        plan = StepPlan(self.steps)
+        releases, _ = self.cache.commands()  # a prompt's cache never has a transfer to end
+        for command in releases:
+            plan.add(command)
+        stages, self._stages = self._stages, []
+        for rid, copies, nbytes, future in stages:
+            gather = self.tickets.stage(self.holding.get(rid), rid, copies, nbytes, future)
+            if gather is not None:
+                plan.add(*gather)
+        batch = plan_batch(self.running, self.budget)
+        if batch:
+            saves = [self._reserve(p, n) for p, n in batch]
+            chunks = tuple(
+                chunk_of(p, n, -1 if save is None else save[1])
+                for (p, n), save in zip(batch, saves, strict=True)
+            )
+            for prompt, _ in batch:
+                prompt.phase = PrefillPhase.PREFILLING
+            plan.add(PrefillBatch(chunks), lambda a: self._on_picks(batch, saves, a))
+            if self.instance.config.dump_dir:  # in the same step: before any free can come
+                for prompt, n in batch:
+                    if prompt.done + n == prompt.num_tokens:
+                        snapshot = Snapshot(prompt.request_id, ServeRole.PREFILL, prompt.blocks,
+                                            prompt.slot, prompt.num_tokens)  # fmt: skip
+                        plan.add(snapshot, lambda a, p=prompt: self._on_snapshot(p, a))
+        return plan
+
+    def _run(self, plan: StepPlan) -> None:
+        """Send the step and handle its answer (one step at a time: the next step's plan
+        needs this one's picks)."""
+        try:
+            pending = self.instance.ranks.submit(EngineStep(tuple(plan.commands)))
+        except PdxferError as exc:  # the group is gone: every command failed
+            for handler in plan.handlers:
+                handler(exc)
+            return
+        self.steps += 1
+        SentStep(plan, pending).answer(STEP_TIMEOUT_S)
+
+    def _reserve(self, prompt: Prompt, n: int) -> tuple[bytes, int] | None:
+        """(unit hash, checkpoint slot) when this chunk ends at a checkpoint position and
+        the prefix cache has a slot for it."""
+        block_hash = prompt.stops.get(prompt.done + n)
+        if block_hash is None:
+            return None
+        slot = self.instance.prefix.reserve_checkpoint(block_hash)
+        return None if slot is None else (block_hash, slot)
+
+    # -- answers --------------------------------------------------------------------------
+
+    def _on_picks(self, batch: list[tuple[Prompt, int]], saves: list, answer: Answer) -> None:
+        prefix = self.instance.prefix
+        if not isinstance(answer, BaseException):
+            try:
+                answer = same_on_every_rank(answer, "prefill step")
+            except PdxferError as exc:
+                answer = exc
+        if isinstance(answer, BaseException):
+            for save in filter(None, saves):
+                prefix.cancel_checkpoint(save[1])
+            if len(batch) > 1 and isinstance(answer, (InvalidInput, WrongState)):
+                logger.warning("prefill batch of %d failed (%s); running each alone",
+                               len(batch), answer)  # fmt: skip
+                for prompt, _ in batch:
+                    prompt.alone = True
+                return
+            for prompt, _ in batch:
+                self.fail(prompt, answer)
+            return
+        for save in filter(None, saves):
+            prefix.commit_checkpoint(*save)
+        for (prompt, n), pick in zip(batch, answer, strict=True):
+            prompt.done += n
+            prompt.alone = False
+            if prompt.restore_from >= 0 or prompt.copy_block >= 0:
+                prompt.restore_from = prompt.copy_block = -1
+                self.cache.let_go(prompt)  # the first chunk copied what the hit pinned
+            if prompt.done == prompt.num_tokens:
+                self._prefilled(prompt, pick)
+
+    def _prefilled(self, prompt: Prompt, pick: TokenPick) -> None:
+        """Its last chunk ran: the prefix cache takes its blocks; then its ticket is
+        published (with --dump-dir once its snapshot, later in the same step, is answered)."""
+        self.running.remove(prompt)
+        prefix = self.instance.prefix
+        self.cache.let_go(prompt)
+        if prefix is not None:
+            prefix.insert_prompt(prompt.unit_hashes, prompt.blocks,
+                                 prompt.cached_tokens // prefix.unit)  # fmt: skip
+            if self.metrics is not None:
+                self.metrics.record_prefix(prefix.counts())
+        prompt.first = pick
+        if not self.instance.config.dump_dir:
+            self._publish(prompt)
+
+    def _on_snapshot(self, prompt: Prompt, answer: Answer) -> None:
+        if prompt.first is None or prompt.phase is not PrefillPhase.PREFILLING:
+            return  # its last chunk failed (or it ended): nothing to publish
+        if isinstance(answer, BaseException):
+            self.fail(prompt, answer)
+        else:
+            self._publish(prompt)
+
+    def _publish(self, prompt: Prompt) -> None:
+        try:
+            self.tickets.publish(prompt)
+        except PdxferError as exc:
+            self.fail(prompt, exc)
+
+    def _publish_early(self, prompt: Prompt) -> None:
+        """Layer-wise streaming: the ticket now, the prompt in the next steps. A failed
+        prefill aborts the ticket, so its decode's next heartbeat fails."""
+        try:
+            self.tickets.publish_early(prompt)
+        except PdxferError as exc:
+            self.fail(prompt, exc)
+
+    # -- the end of a prompt --------------------------------------------------------------
+
+    def _ticket_freed(self, ticket: Ticket) -> None:
+        prompt = self.holding.get(ticket.request_id)
+        if prompt is None or not same_ticket(prompt.ticket, ticket):  # released already
+            logger.debug("freed ticket %r holds no cache here", ticket.request_id)
+            return
+        self._release(prompt)
+
+    def fail(self, prompt: Prompt, error: BaseException) -> None:
+        """End `prompt` with `error`: a published (streamed) one by aborting its ticket,
+        whose free gives the cache back; any other by telling its caller and releasing."""
+        # While it holds its id, a live ticket under the id is its own.
+        if self.tickets.is_live(prompt):
+            if not isinstance(error, Cancelled):
+                logger.warning("streamed prefill of %r failed: %s", prompt.request_id, error)
+            self._stop(prompt)
+            with contextlib.suppress(ControlError, PdxferError):
+                self.store.abort(prompt.request_id, f"prefill failed: {error}")
+            return
+        if prompt.ticket is None:
+            prompt.out.put(error)
+        self._release(prompt)
+
+    def _stop(self, prompt: Prompt) -> None:
+        for line in (self.queued, self.running):
+            if prompt in line:
+                line.remove(prompt)
+
+    def _release(self, prompt: Prompt) -> None:
+        self._stop(prompt)
+        if self.holding.get(prompt.request_id) is prompt:
+            del self.holding[prompt.request_id]
+        self.cache.release(prompt)
+
+    # -- shutting down --------------------------------------------------------------------
+
+    def close(self) -> None:
+        self._closed = True
+        self._wake.set()
+        self._thread.join(30)
+
+    def _shut_down(self) -> None:
+        self._closed = True
+        while True:
+            try:
+                self.queued.append(self._new.get_nowait())
+            except queue.Empty:
+                break
+        closed = Closed("prefill engine: the instance is shutting down")
+        for prompt in [*self.queued, *self.running]:
+            if prompt.ticket is None:
+                prompt.out.put(closed)
+        self.queued.clear()
+        self.running.clear()
+        for _, _, _, future in self._stages:
+            future.set_exception(closed)
+        for barrier in self._barriers:
+            barrier.set()
+
+
+def _cancelled(prompt: Prompt) -> bool:
+    try:
+        return prompt.is_cancelled()
+    except Exception:  # noqa: BLE001 - a broken callback must not stop the loop
+        logger.exception("is_cancelled of %r failed", prompt.request_id)
+        return False
