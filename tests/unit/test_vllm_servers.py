@@ -43,6 +43,7 @@ def test_command_carries_connector_config_as_json():
         "kv_connector": "PdxferConnector",
         "kv_connector_module_path": "transfer.vllm",
         "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
     }
     assert cmd[cmd.index("--tensor-parallel-size") + 1] == "2"
     assert cmd[cmd.index("--port") + 1] == "8123"

@@ -168,10 +168,10 @@ def test_prefill_lost_after_its_step_costs_decode_a_recompute(
 
 @pytest.mark.parametrize("known", [False, True], ids=["first-contact", "known-peer"])
 def test_prefill_killed_between_decode_acquire_and_read(pd_pair, doomed_prefill, hold_file, known):
-    """first-contact: decode's worker meets this prefill's workers (layouts, transport peer)
-    only when the held load is planned, and the handshake finds it dead. known-peer: one
-    transfer from it went through first, so the held load is posted to a dead transport
-    peer."""
+    """first-contact: decode's scheduler half handshook with this prefill before Acquire, and
+    its worker connects the prefill's transport peer only with the held load: the dead peer
+    refuses that connection. known-peer: one transfer from it went through first, so the
+    held load is posted to a dead transport peer."""
     _, decode = pd_pair
     if known:
         warm = prompt(17, 60)
@@ -198,7 +198,7 @@ def test_prefill_killed_between_decode_acquire_and_read(pd_pair, doomed_prefill,
             hold_file.unlink(missing_ok=True)
         answer = pending.result(timeout=WAIT_S)
 
-    # The load failed (a dead prefill refuses the handshake, or its transport peer is gone),
+    # The load failed (the dead prefill's transport refuses the connection, or is gone),
     # and vLLM computed the prompt itself (kv_load_failure_policy recompute).
     colocated = greedy_completion(decode, ids, 3)["choices"][0]["token_ids"]
     assert answer["choices"][0]["token_ids"] == colocated
@@ -210,7 +210,10 @@ def test_prefill_killed_between_decode_acquire_and_read(pd_pair, doomed_prefill,
     if known:  # NIXL's answer when the peer died after the transfer was created
         failure = r"pdxfer: load of \S+ failed: .*NIXL_ERR_REMOTE_DISCONNECT"
     else:
-        failure = rf"pdxfer: load of \S+ from {re.escape(address)} failed before posting: .*UNAVAIL"
+        failure = (
+            rf"pdxfer: load of \S+ from {re.escape(address)} failed before posting: "
+            rf".*no usable handshake with {re.escape(address)}"
+        )
     assert re.search(failure, log), "decode's log names the failed load"
     wait_until(
         lambda: metric_sum(get_text(decode.url + "/metrics"), "vllm:kv_cache_usage_perc") == 0.0,

@@ -51,6 +51,9 @@ def connector_config(connector: Connector) -> dict[str, Any]:
             "kv_connector": "PdxferConnector",
             "kv_connector_module_path": "transfer.vllm",
             "kv_role": "kv_both",
+            # vLLM's default, "fail", answers a request whose load failed (prefill died, verify
+            # found a difference) with an error; pdxfer's serving stack computes it instead.
+            "kv_load_failure_policy": "recompute",
         }
     # vLLM's CPU build keeps the KV cache in host memory: NIXL must read it there.
     return {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
