@@ -90,7 +90,8 @@ def omp_binds(tps: list[int], cpus: list[int] | None = None) -> list[str]:
         share = len(cpus) // len(tps)
         server_cpus = [cpus[s * share : (s + 1) * share] for s in range(len(tps))]
         groups = [
-            [[own[rank % len(own)]] for rank in range(tp)] for tp, own in zip(tps, server_cpus)
+            [[own[rank % len(own)]] for rank in range(tp)]
+            for tp, own in zip(tps, server_cpus, strict=True)
         ]
     else:
         groups, rank = [], 0
