@@ -77,7 +77,7 @@ def omp_binds(tps: list[int], cpus: list[int] | None = None) -> list[str]:
     every server to all CPUs, and its OpenMP threads then fight: two servers on two cores
     decoded at 0.1-0.4 tokens/s that way. A server's idle ranks spin (vLLM's shm-broadcast
     readers yield in a loop for 1 s after each read), so a rank pinned beside another
-    server's rank starves it: a decode rank's NIXL connect hung that way at TP 1 -> 2."""
+    server's rank starves it (a decode rank's NIXL connect hung pinned so at TP 1 -> 2)."""
     cpus = sorted(cpus if cpus is not None else os.sched_getaffinity(0))
     if sum(tps) <= len(cpus):
         share = len(cpus) // sum(tps)
