@@ -398,6 +398,7 @@ class ConnectorWorker:
         if that fails, its loads fail (vLLM recomputes) and the server lives."""
         assert self.agent is not None
         self._peers.pop(address, None)
+        started = time.monotonic()
         try:
             layouts = tuple(ExplicitLayout.from_dict(json.loads(raw)) for raw in peer.layouts)
             agents = tuple(self.agent.connect(m) for m in peer.agent_metadata)
@@ -405,6 +406,14 @@ class ConnectorWorker:
             logger.warning("pdxfer: prefill %s (%s) unusable: %s", peer.instance_id, address, exc)
             return
         self._peers[address] = _Peer(layouts, agents)
+        # Once per prefill instance: a connect that takes seconds shows here (TP-2 hangs).
+        logger.info(
+            "pdxfer: rank %d connected to prefill %s (%d agents) in %.3f s",
+            self.rank,
+            address,
+            len(agents),
+            time.monotonic() - started,
+        )
 
     def _peer(self, address: str) -> _Peer:
         peer = self._peers.get(address)

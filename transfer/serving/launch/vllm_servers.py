@@ -74,22 +74,34 @@ def connector_env(connector: Connector) -> dict[str, str]:
 
 def omp_binds(tps: list[int], cpus: list[int] | None = None) -> list[str]:
     """`VLLM_CPU_OMP_THREADS_BIND` for servers of TP sizes `tps` on one host: every rank of
-    every server gets its own share of the allowed CPUs (ranks share CPUs only when there are
-    more ranks than CPUs). vLLM's default binds every server to all CPUs, and its OpenMP
-    threads then fight: two servers on two cores decoded at 0.1-0.4 tokens/s that way."""
+    every server gets its own share of the allowed CPUs. With more ranks than CPUs, servers
+    still get disjoint CPUs while there are enough (a TP-2 server's ranks then share its
+    CPUs), and ranks of different servers share CPUs only beyond that. vLLM's default binds
+    every server to all CPUs, and its OpenMP threads then fight: two servers on two cores
+    decoded at 0.1-0.4 tokens/s that way. A server's idle ranks spin (vLLM's shm-broadcast
+    readers yield in a loop for 1 s after each read), so a rank pinned beside another
+    server's rank starves it (a decode rank's NIXL connect hung pinned so at TP 1 -> 2)."""
     cpus = sorted(cpus if cpus is not None else os.sched_getaffinity(0))
-    ranks = sum(tps)
-    if ranks <= len(cpus):
-        share = len(cpus) // ranks
-        groups = [cpus[rank * share : (rank + 1) * share] for rank in range(ranks)]
+    if sum(tps) <= len(cpus):
+        share = len(cpus) // sum(tps)
+        per_rank = [cpus[rank * share : (rank + 1) * share] for rank in range(sum(tps))]
+        groups, first = [], 0
+        for tp in tps:
+            groups.append(per_rank[first : first + tp])
+            first += tp
+    elif len(tps) <= len(cpus):
+        share = len(cpus) // len(tps)
+        server_cpus = [cpus[s * share : (s + 1) * share] for s in range(len(tps))]
+        groups = [
+            [[own[rank % len(own)]] for rank in range(tp)]
+            for tp, own in zip(tps, server_cpus, strict=True)
+        ]
     else:
-        groups = [[cpus[rank % len(cpus)]] for rank in range(ranks)]
-    texts = [",".join(str(cpu) for cpu in group) for group in groups]
-    binds, first = [], 0
-    for tp in tps:
-        binds.append("|".join(texts[first : first + tp]))
-        first += tp
-    return binds
+        groups, rank = [], 0
+        for tp in tps:
+            groups.append([[cpus[(rank + r) % len(cpus)]] for r in range(tp)])
+            rank += tp
+    return ["|".join(",".join(str(cpu) for cpu in ranks) for ranks in server) for server in groups]
 
 
 @dataclass(frozen=True)
