@@ -6,6 +6,7 @@ and 6. Every test ends with both instances' pools back at their totals and no li
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -18,6 +19,7 @@ import pytest
 
 from tests.support.ucx_env import pristine_ucx_env
 from tests.support.worker_sides import Side, one_thread, prompt  # noqa: F401 (fixture)
+from transfer.cache.layout import Layout
 from transfer.control.client import ClientOptions
 from transfer.control.errors import NotPermitted
 from transfer.control.server import serve
@@ -36,6 +38,7 @@ from transfer.serving.engine.reads import plan_direct, transfer_request
 from transfer.serving.launch.verify import check_request
 from transfer.serving.openai.router import Router
 from transfer.serving.ranks.commands import (
+    AddPeers,
     DecodeBatch,
     DecodeStep,
     Release,
@@ -275,6 +278,24 @@ def test_no_step_touches_a_slot_while_a_transfer_fills_it(cluster, spare):
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(rank, signal.SIGCONT)
+
+
+def test_each_prefill_instance_is_read_from_its_own_memory(cluster, spare):
+    """Two prefill instances in one process: the decode side reads each one's bytes (their
+    agents once shared a name, and the peer connected last took every READ), and a second
+    instance that claims agent names already taken is refused at AddPeers."""
+    prefill, decode, _ = cluster
+    geometry = get_preset(MODEL)
+    decode.worker.peer(spare.address)  # the spare is connected first, then prefill-a
+    for name, side, ids in (("mine-a", prefill, prompt(6)), ("mine-s", spare, prompt(3))):
+        ticket = side.worker.prefill(PrefillRequest(name, tuple(ids), MAX_TOKENS))
+        tokens = [e.token for e in decode.worker.decode(DecodeRequest(ticket, MAX_TOKENS))]
+        assert tokens == reference_generate(geometry, ids, MAX_TOKENS), name
+    reply = decode.worker.peer(spare.address).client.handshake("impostor", decode.instance.compat)
+    staging = tuple(Layout.from_dict(json.loads(b)).staging_offset for b in reply.rank_layouts)
+    with pytest.raises(RankCommandError, match="its own agent prefix"):
+        decode.instance.ranks.call(AddPeers("impostor", tuple(reply.rank_metadata), staging))
+    assert_idle(prefill, decode, spare)
 
 
 def test_pipelined_decode_steps_feed_the_previous_pick(cluster):

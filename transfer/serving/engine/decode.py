@@ -44,6 +44,7 @@ class DecodeWorker:
         transfer_deadline_s: float = 60.0,
         known_prefill: Iterable[str] = (),
     ) -> None:
+        known_prefill = tuple(known_prefill)
         self.instance = instance
         self.instance_id = instance_id
         self.options = options or ClientOptions(timeout_s=30.0)
@@ -52,9 +53,7 @@ class DecodeWorker:
             instance, instance_id, self.options, metrics, transfer_deadline_s, known_prefill
         )
         self.peers = self.engine.setup.peers
-        # `known_prefill` is not prewarmed: with it connected before test_bug14's stopped
-        # spare, the later transfer from it timed out (not understood yet; registered
-        # instances, as the router's, are prewarmed)
+        self._prewarm(known_prefill)
         if metrics is not None:
             cache = self.engine.cache
             metrics.track_requests(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import socket
 from dataclasses import dataclass
 
@@ -56,7 +57,7 @@ class InstanceConfig:
     node_rank: int = serve_default("node_rank")
     dist_addr: str | None = None
     net_device: str | None = None  # UCX_NET_DEVICES for the data plane
-    agent_prefix: str = ""
+    agent_prefix: str = ""  # names this node's data-plane agents; "" = unique per instance
     model: str = ""  # a preset name or a checkpoint directory; "" = geometry.name
     # the recurrent state's dtype; auto = the config's, else the model's
     ssm_dtype: str = serve_default("ssm_dtype")
@@ -166,7 +167,11 @@ def plan_for(config: InstanceConfig) -> MemoryPlan:
 def rank_specs(config: InstanceConfig, plan: MemoryPlan) -> list[RankSpec]:
     """This node's ranks."""
     per_node = config.tp // config.nnodes
-    prefix = config.agent_prefix or f"{config.role}-{socket.gethostname()}-{os.getpid()}"
+    # A decode side tells its peers apart by agent name, so two instances must never share
+    # one: host and pid alone do not separate two instances in one process (tests, benches)
+    # or containers that reuse a hostname and pid.
+    unique = f"{config.role}-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
+    prefix = config.agent_prefix or unique
     env = (("UCX_NET_DEVICES", config.net_device),) if config.net_device else ()
     return [
         RankSpec(

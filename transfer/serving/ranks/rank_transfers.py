@@ -21,6 +21,7 @@ from transfer.agent import Finished, PeerReads, TransferAgent
 from transfer.agent.staging import Packed, StagingArea, check_copies, gather_to_staging
 from transfer.cache.layout import Layout
 from transfer.dataplane import RangeBatch
+from transfer.dataplane.metadata import PeerInfo
 from transfer.serving.ranks.commands import RankTransferStatus, StreamSource, TransferState
 from transfer.serving.ranks.progress import entry_offset
 from transfer.serving.ranks.spec import WARMUP_BYTES, Copies, RankReads
@@ -82,6 +83,7 @@ class RankTransfers:
         """Connect to every rank of prefill instance `instance` (again, after a restart):
         a small READ from each one's staging area (`staging`: arena offsets) sets up the
         connection now rather than in the first request's transfer."""
+        self._check_names(instance, [PeerInfo.decode(m).name for m in metadata])
         peers = [self.agent.connect(m) for m in metadata]
         local = self.layout.staging_offset
         for peer, remote in zip(peers, staging, strict=True):
@@ -90,6 +92,17 @@ class RankTransfers:
             if error:
                 raise ConnectionError(f"prefill {instance} ({peer}) unreachable: {error}")
         self.peers[instance] = peers
+
+    def _check_names(self, instance: str, names: list[str]) -> None:
+        """The transport keeps one peer per agent name, so a second instance under a name
+        already taken would silently take over the first one's READs."""
+        for other, taken in self.peers.items():
+            clash = set(names) & set(taken)
+            if other != instance and clash:
+                raise ValueError(
+                    f"metadata: prefill {instance} names its agent {sorted(clash)[0]!r}, as "
+                    f"prefill {other} does; give each instance its own agent prefix"
+                )
 
     def _read_now(self, key: str, read: PeerReads) -> str:
         """Post `read` and wait for it; why it failed, or ""."""
