@@ -31,7 +31,7 @@ REPEATS = 50
 
 
 def _copies(tp_p: int, tp_d: int, staging_at: int):
-    """Decode rank 0's staging -> cache copies, as `ConnectorWorker._plan` builds them."""
+    """Decode rank 0's staging -> cache copies, as `LoadPlanner.cache_reads` builds them."""
     from transfer.vllm.load_plan import plan_load
 
     p_layouts = [_describe(tp_p)[0].layout(p) for p in range(tp_p)]

@@ -31,7 +31,7 @@ from tests.vllm.test_vllm_scheduler import (  # noqa: E402, F401 (fixtures)
     step,
     wait_for,
 )
-from transfer.vllm.scheduler_decode import PullPhase  # noqa: E402
+from transfer.vllm.scheduler_pulls import PullPhase  # noqa: E402
 
 
 def rejected_notice(request_id: str, params: dict) -> Request:

@@ -38,7 +38,7 @@ from transfer.tiny_presets import TINY_QWEN3_NEXT  # noqa: E402
 from transfer.vllm import PdxferConnector  # noqa: E402
 from transfer.vllm.config import compat_fields  # noqa: E402
 from transfer.vllm.metadata import RankHandshake, StepMetadata  # noqa: E402
-from transfer.vllm.scheduler_decode import PullPhase  # noqa: E402
+from transfer.vllm.scheduler_pulls import PullPhase  # noqa: E402
 from transfer.vllm.ticket import Ticket  # noqa: E402
 
 BLOCK = 16  # tokens per attention block in these tests

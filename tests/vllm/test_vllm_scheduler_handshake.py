@@ -28,8 +28,8 @@ from tests.vllm.test_vllm_scheduler import (  # noqa: E402
 )
 from transfer.vllm import PdxferConnector  # noqa: E402
 from transfer.vllm.metadata import PrefillPeer, StepMetadata  # noqa: E402
-from transfer.vllm.scheduler_decode import PullPhase  # noqa: E402
 from transfer.vllm.scheduler_peers import HANDSHAKE_TRIES  # noqa: E402
+from transfer.vllm.scheduler_pulls import PullPhase  # noqa: E402
 from transfer.vllm.ticket import Ticket  # noqa: E402
 
 # The scheduler tests' fixtures: a real prefill and decode PdxferConnector over real gRPC.
@@ -116,7 +116,7 @@ def test_request_finished_while_its_handshake_is_pending_frees_prefill(connector
     req = request("d5", finish_prefill(prefill, "r5"))
     decode.on_new_request(req)
     sides = decode._scheduler.decode
-    wait_for(lambda: (sides.poll() or True) and sides._pulls["d5"].held is not None, "acquired")
+    wait_for(lambda: (sides.poll() or True) and sides._pulls.get("d5").held is not None, "acquired")
     assert decode.get_num_new_matched_tokens(req, 0) == (None, False)  # still waiting
     req.status = RequestStatus.FINISHED_ABORTED
     assert decode.request_finished_all_groups(req, ([], [], [], [])) == (False, None)
