@@ -64,6 +64,7 @@ class ConnectorWorker:
         self._handshake: RankHandshake | None = None
         self._loads: DecodeLoads | None = None
         self._finished_sending: set[str] = set()
+        self._unloaded: set[str] = set()  # loads that came before `register_kv_caches`
         self._copies: RegionCopies | None = None
         self._stage_out = torch.empty(0, dtype=torch.uint8)  # prefill's stage slots
         self._stage_start = 0
@@ -151,8 +152,15 @@ class ConnectorWorker:
         self._finished_sending.update(meta.released)
         if meta.loads and self.config.test_hold_loads_file:
             hold_loads(Path(self.config.test_hold_loads_file), [x.request_id for x in meta.loads])
+        if self._loads is None:
+            # vLLM registers its caches before its first step; should a load come first
+            # anyway, it fails (vLLM computes the prompt itself) and the server lives.
+            for load in meta.loads:
+                logger.warning("pdxfer: load of %s before vLLM registered its caches",
+                               load.request_id)  # fmt: skip
+                self._unloaded.add(load.request_id)
+            return
         if meta.peers or meta.loads:
-            assert self._loads is not None, "a load before vLLM registered its caches"
             self._loads.start(meta.peers, meta.loads)
 
     def save_stages(self, stages: list[StageSpec]) -> None:
@@ -184,11 +192,12 @@ class ConnectorWorker:
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         recving: set[str] = set()
-        failed: set[str] = set()
+        failed, self._unloaded = self._unloaded, set()
         if self._loads is not None:
             if self.agent is not None:  # else shut down: nothing settles any more
                 self._loads.poll()
-            recving, failed = self._loads.take_done()
+            recving, failed_loads = self._loads.take_done()
+            failed |= failed_loads
         sending, self._finished_sending = self._finished_sending, set()
         return KVConnectorTransferResults(sending, recving | failed, failed)
 
