@@ -68,5 +68,9 @@ def test_report_rows_and_ratios():
     (line,) = ratios([nixl, pdx])
     assert "bytes 0.500x" in line and "descriptors 0.231x" in line
     assert "tokens equal between connectors" in line
+    slow_nixl = ConnectorRun(Connector.NIXL, 1, 1, ConnectorTotals(2, 2e6, 26, 30.0),
+                             (0.1, 0.3), ((1, 2), (3, 4)), ((1, 2), (3, 4)))  # fmt: skip
+    (line,) = ratios([slow_nixl, pdx])
+    assert "transfer time 0.00033x" in line
     failed = ConnectorRun(Connector.PDXFER, 2, 1, error="no module transfer.vllm.connector")
     assert "failed: no module" in row(failed) and ratios([nixl, failed]) == []

@@ -29,6 +29,11 @@ def row(run: ConnectorRun) -> str:
             f"{descriptors:9.1f} {xfer_ms:11.2f} {p50:7.0f}ms {p99:7.0f}ms  {tokens}")  # fmt: skip
 
 
+def _ratio(value: float) -> str:
+    """Three decimals, or two significant digits below 0.01 (a ratio is never printed as 0)."""
+    return f"{value:.3f}" if value >= 0.01 else f"{value:.2g}"
+
+
 def ratios(runs: list[ConnectorRun]) -> list[str]:
     """pdxfer / nixl at each TP pair where both ran."""
     lines = []
@@ -38,12 +43,12 @@ def ratios(runs: list[ConnectorRun]) -> list[str]:
         if connector is not Connector.PDXFER or nixl is None or not (pdx.ttfts and nixl.ttfts):
             continue
         a, b = _per_request(pdx), _per_request(nixl)
-        parts = [f"{name} {x / y:.3f}x" if y else f"{name} n/a"
+        parts = [f"{name} {_ratio(x / y)}x" if y else f"{name} n/a"
                  for name, x, y in zip(("bytes", "descriptors", "transfer time"), a, b,
                                        strict=True)]  # fmt: skip
         ttft = percentile(pdx.ttfts, 50) / percentile(nixl.ttfts, 50)
         same = "equal" if pdx.tokens == nixl.tokens else "DIFFERENT"
-        lines.append(f"{p}->{d} pdxfer/nixl: {', '.join(parts)}, TTFT p50 {ttft:.3f}x; "
+        lines.append(f"{p}->{d} pdxfer/nixl: {', '.join(parts)}, TTFT p50 {_ratio(ttft)}x; "
                      f"tokens {same} between connectors")  # fmt: skip
     return lines
 
