@@ -26,7 +26,8 @@ from transfer.agent import stage_small
 from transfer.cache.explicit_layout import ExplicitLayout
 from transfer.errors import InvalidInput
 from transfer.presets import from_hf_dict
-from transfer.vllm.layout_vllm import STATE_ORDER_DS, STATE_ORDER_SD, describe
+from transfer.vllm.layout_places import STATE_ORDER_DS, STATE_ORDER_SD
+from transfer.vllm.layout_vllm import describe
 from transfer.vllm.load_plan import CacheGroup, plan_load
 
 BLOCK = 384  # what vLLM's CPU platform picks for this model (page unification)

@@ -8,9 +8,7 @@ so the cache it keeps covers exactly the tokens decode loads. When it finishes, 
 allocated under a TicketStore lease and its response carries the pdxfer ticket.
 
 A prompt that ends inside an attention block gets a stage slot in the step that computes its
-last tokens: the workers gather that block's tokens into the slot after the forward
-(`stage_tail`), before vLLM sees the request finish, so the ticket's slots are complete
-when decode reads them. The slot is freed with the ticket.
+last tokens (`scheduler_stages`); the slot is freed with the ticket.
 """
 
 from __future__ import annotations
@@ -36,7 +34,7 @@ from transfer.vllm.config import PdxferConfig
 from transfer.vllm.metadata import DigestSpec, RankHandshake, StageSpec
 from transfer.vllm.scheduler_digests import DigestSlots
 from transfer.vllm.scheduler_groups import TransferGroups
-from transfer.vllm.stage_tail import STAGE_SLOTS
+from transfer.vllm.scheduler_stages import StageSlots
 from transfer.vllm.stats import PdxferStats
 from transfer.vllm.ticket import Ticket
 
@@ -85,13 +83,9 @@ class PrefillSide:
         self._free_slots = list(range(num_blocks - 1, -1, -1))
         self._released: list[str] = []
         self._server: ControlServer | None = None
-        # Tail staging: every rank's (stage_start, slot bytes); () when some rank has none.
-        self._stage_ranks: tuple[tuple[int, int], ...] = ()
-        self._stage_free = list(range(STAGE_SLOTS - 1, -1, -1))
+        self._stages = StageSlots(groups)
         self._tracked: dict[str, Request] = {}  # truncated prefills not finished yet
         self._block_ids: dict[str, list[list[int]]] = {}  # their block ids per vLLM group
-        self._staging: dict[str, tuple[int, int]] = {}  # request -> (slot, num_tokens)
-        self._stage_held: dict[str, int] = {}  # published request -> slot
         self._digests = DigestSlots(config.verify)
 
     @property
@@ -115,9 +109,7 @@ class PrefillSide:
         )
         if self._server is not None:
             raise InvalidInput("handshake metadata: set twice")
-        stage = tuple((handshakes[r].stage_start, handshakes[r].stage_slot_bytes) for r in ranks)
-        if self._groups.num_attention == 1 and all(size > 0 for _, size in stage):
-            self._stage_ranks = stage
+        self._stages.start(handshakes)
         self._digests.start(handshakes)
         address = f"{self._config.control_host}:{self._config.control_port}"
         self.store.start()
@@ -160,20 +152,11 @@ class PrefillSide:
         stages = []
         for req_id, scheduled in output.num_scheduled_tokens.items():
             request = self._tracked.get(req_id)
-            if request is None or req_id in self._staging or not self._stage_ranks:
+            if request is None:
                 continue
-            num_tokens = request.num_prompt_tokens
-            partial = num_tokens % self._groups.block_size
-            if not partial or request.num_computed_tokens + scheduled < num_tokens:
-                continue
-            with self._lock:
-                slot = self._stage_free.pop() if self._stage_free else None
-            if slot is None:
-                continue  # the whole last block crosses
-            clipped = self._groups.clip(self._block_ids.get(req_id, []), num_tokens)
-            block = self._groups.ticket_blocks(clipped)[-1]
-            self._staging[req_id] = (slot, num_tokens)
-            stages.append(StageSpec(req_id, block, partial, slot))
+            stage = self._stages.plan(request, scheduled, self._block_ids.get(req_id, []))
+            if stage is not None:
+                stages.append(stage)
         return stages
 
     def plan_digests(self, output: SchedulerOutput) -> list[DigestSpec]:
@@ -195,28 +178,13 @@ class PrefillSide:
                 specs.append(spec)
         return specs
 
-    def _staged_offsets(self, request_id: str, num_tokens: int) -> tuple[int, tuple[int, ...]]:
-        """The request's stage slot and its offsets per rank, (-1, ()) when none holds its
-        `num_tokens` (the slot, if any, is freed)."""
-        slot, staged_tokens = self._staging.pop(request_id, (-1, 0))
-        if slot >= 0 and staged_tokens != num_tokens:
-            self._free_stage(slot)
-            slot = -1
-        if slot < 0:
-            return -1, ()
-        return slot, tuple(start + slot * size for start, size in self._stage_ranks)
-
-    def _free_stage(self, slot: int) -> None:
-        with self._lock:
-            self._stage_free.append(slot)
-
     def request_finished(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         """Publish a finished prefill; True keeps its blocks until decode releases them."""
         self._tracked.pop(request.request_id, None)
         self._block_ids.pop(request.request_id, None)
-        stage_slot, staged_offsets = self._staged_offsets(
+        stage_slot, staged_offsets = self._stages.take(
             request.request_id, request.num_computed_tokens
         )
         digest_offsets = self._digests.publish(request.request_id, request.num_computed_tokens)
@@ -225,10 +193,9 @@ class PrefillSide:
             self._digests.free(request.request_id)
         if stage_slot >= 0:
             if kept:  # published with the slot: freed with the ticket
-                with self._lock:
-                    self._stage_held[request.request_id] = stage_slot
+                self._stages.hold(request.request_id, stage_slot)
             else:
-                self._free_stage(stage_slot)
+                self._stages.put_back(stage_slot)
         return kept, params
 
     def _publish(
@@ -318,9 +285,7 @@ class PrefillSide:
         with self._lock:
             self._released.append(ticket.request_id)
             self._free_slots.append(ticket.slot_id)
-            stage_slot = self._stage_held.pop(ticket.request_id, None)
-            if stage_slot is not None:
-                self._stage_free.append(stage_slot)
+            self._stages.free(ticket.request_id)  # with the ticket's slot, as one step
         self._digests.free(ticket.request_id)
         if reason is FreeReason.EXPIRED:
             with self._stats_lock:

@@ -14,7 +14,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec, UniformTypeKVCa
 from transfer.errors import InvalidInput
 from transfer.geometry import ModelGeometry
 from transfer.presets import from_hf_config, from_hf_dict
-from transfer.vllm.layout_vllm import STATE_ORDER_DS, STATE_ORDER_SD
+from transfer.vllm.layout_places import STATE_ORDER_DS, STATE_ORDER_SD
 from transfer.vllm.load_plan import CacheGroup
 
 
@@ -35,7 +35,7 @@ def layer_index(name: str) -> int:
 
 
 def conv_order() -> str:
-    """How this vLLM build lays out a mamba conv state (`layout_vllm`'s STATE_ORDER_*)."""
+    """How this vLLM build lays out a mamba conv state (`layout_places`' STATE_ORDER_*)."""
     from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
 
     return STATE_ORDER_DS if is_conv_state_dim_first() else STATE_ORDER_SD
