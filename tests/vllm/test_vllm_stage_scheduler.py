@@ -112,6 +112,27 @@ def test_an_aborted_prefill_frees_its_slot_and_full_blocks_stage_nothing(prefill
     assert prefill.build_connector_meta(_first_chunk(exact, [50, 51], 2 * BLOCK)).stages == []
 
 
+def test_a_ticket_freed_as_soon_as_it_is_published_frees_its_stage_slot(prefill):
+    """The slot is held before the ticket goes live: a free that comes in between (decode's
+    release, an abort) must find it, or the slot leaks and after STAGE_SLOTS of them nothing
+    is staged."""
+    store = prefill._scheduler.prefill.store
+    publish = store.publish
+
+    def publish_then_abort(request_id, *args, **kwargs):
+        published = publish(request_id, *args, **kwargs)
+        store.abort(request_id, "freed before request_finished returned")
+        return published
+
+    store.publish = publish_then_abort
+    for i in range(STAGE_SLOTS + 1):
+        req = request(f"q{i}", {"do_remote_decode": True})
+        prefill.on_new_request(req)
+        meta = prefill.build_connector_meta(_first_chunk(req, list(range(10, 17)), 99))
+        assert meta.stages == [StageSpec(f"q{i}", 16, 3, 0)]  # slot 0 came back every time
+        assert Ticket.from_params(_finish(prefill, req, list(range(10, 17)))).staged_offsets
+
+
 DIGEST_START, DIGEST_SLOT_BYTES = 1 << 24, 512
 
 

@@ -188,14 +188,14 @@ class PrefillSide:
             request.request_id, request.num_computed_tokens
         )
         digest_offsets = self._digests.publish(request.request_id, request.num_computed_tokens)
+        if stage_slot >= 0:
+            # Held before the ticket is live, as the digest slot: a release that comes as soon
+            # as it is published finds the slot to free.
+            self._stages.hold(request.request_id, stage_slot)
         kept, params = self._publish(request, block_ids, staged_offsets, digest_offsets)
         if not kept:
             self._digests.free(request.request_id)
-        if stage_slot >= 0:
-            if kept:  # published with the slot: freed with the ticket
-                self._stages.hold(request.request_id, stage_slot)
-            else:
-                self._stages.put_back(stage_slot)
+            self._stages.free(request.request_id)
         return kept, params
 
     def _publish(

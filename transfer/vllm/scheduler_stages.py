@@ -64,8 +64,8 @@ class StageSlots:
 
     def take(self, request_id: str, num_tokens: int) -> tuple[int, tuple[int, ...]]:
         """The finished request's stage slot and its offsets per rank, (-1, ()) when none
-        holds its `num_tokens` (the slot, if any, is freed). A slot taken is then `hold`
-        (published) or `put_back`."""
+        holds its `num_tokens` (the slot, if any, is freed). A slot taken is `hold` before
+        its ticket goes live, then `free`d with the ticket or when it is not published."""
         slot, staged_tokens = self._planned.pop(request_id, (-1, 0))
         if slot >= 0 and staged_tokens != num_tokens:
             self.put_back(slot)
