@@ -11,7 +11,7 @@ import torch
 
 from transfer.geometry import MLASpec, Segment
 from transfer.model.batch import Batch
-from transfer.model.layers.common import attend
+from transfer.model.layers.common import attend, attend_one_each
 from transfer.model.layers.norms import rms_normalize
 from transfer.model.layers.varlen import sequence_keys, write_kv
 from transfer.model.rank_weights import RankWeights
@@ -61,11 +61,18 @@ class KimiMLA:
             write_kv(batch, cache, entries)
         q = self._query(x).view(T, -1, self.nope_dim + self.rope_dim)
         o = q.new_empty(T, q.shape[1], self.v_dim)
-        for i in range(batch.num_sequences):
+        one_row: list[tuple[int, torch.Tensor, torch.Tensor, int]] = []  # (row, k, v, position)
+        for i, sequence in enumerate(batch.sequences):
             span = batch.span(i)
             keys = sequence_keys(batch, i, cache, entries)
             k, v = self._keys_values(keys)
-            o[span] = attend(q[span], k, v, batch.positions[span], self.scale)
+            if span.stop - span.start == 1:  # a decode token: attended with the others
+                one_row.append((span.start, k, v, sequence.context_len))
+            else:
+                o[span] = attend(q[span], k, v, batch.positions[span], self.scale)
+        if one_row:
+            rows, k, v, positions = (list(c) for c in zip(*one_row, strict=True))
+            o[rows] = attend_one_each(q[rows], k, v, positions, self.scale)
         return linear(o.reshape(T, -1), self.o_proj)
 
     def _keys_values(self, entries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
