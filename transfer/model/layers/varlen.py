@@ -159,22 +159,14 @@ def decode_attention(
     members = torch.searchsorted(batch.cu_seqlens, part.tokens, right=True) - 1
     lengths = part.take(batch.positions) + 1
     block_size = k_cache.shape[1]
-    longest = int(lengths.max())
-    num_blocks = -(-longest // block_size)
+    num_blocks = -(-int(lengths.max()) // block_size)
     n, length = len(members), num_blocks * block_size
     invalid = torch.arange(length, device=q.device)[None, :] >= lengths[:, None]  # [Nd, L]
-    # The scores and sums run over whole blocks, as they always have: a row's bits depend on
-    # how many positions its softmax and value GEMM reduce over. Only the first `longest`
-    # positions are copied, though: a block holds up to hundreds of tokens (the planner
-    # sizes it to cover a state page), and the rest are masked out of the scores and zero
-    # in the values, so zeros stand in for them. Past a sequence's own length rows hold
-    # stale bytes, possibly NaN: masked out of the scores and zeroed in the values, as
-    # 0 * NaN would not vanish. (-1 pads a table past its last block.)
-    table = batch.block_tables[members, :num_blocks].clamp(min=0)
-    read = torch.arange(longest, device=q.device)
-    token_blocks = table[:, read // block_size].flatten()
-    token_offsets = (read % block_size).repeat(n)
-    stale = invalid[:, :longest].nonzero()  # (sequence, position) pairs: a row fill
+    # Whole blocks, copied a block at a time (-1 pads a table past its last block). Rows
+    # past a sequence's length hold stale bytes, possibly NaN: masked out of the scores
+    # and zeroed in the values, as 0 * NaN would not vanish.
+    table = batch.block_tables[members, :num_blocks].clamp(min=0).flatten()
+    stale = invalid.flatten().nonzero().squeeze(1)  # a row fill, not a broadcast mask
     heads, kv_heads, dv = rows.shape[1], k_cache.shape[2], v_cache.shape[-1]
     group = heads // kv_heads
     # query head h reads key head h // group: per key head, its group's queries at once.
@@ -184,24 +176,13 @@ def decode_attention(
     grouped = rows.view(n, kv_heads, group, rows.shape[2])
     out = rows.new_empty(kv_heads, n, group, dv)
     for head in range(kv_heads):
-        keys = _first_positions(k_cache[:, :, head], token_blocks, token_offsets, n, length)
-        values = _first_positions(v_cache[:, :, head], token_blocks, token_offsets, n, length)
-        values[stale[:, 0], stale[:, 1]] = 0.0
+        keys = k_cache[:, :, head].index_select(0, table).view(n, length, -1).float()
+        values = v_cache[:, :, head].index_select(0, table).view(n * length, dv).float()
+        values.index_fill_(0, stale, 0.0)
         scores = torch.bmm(grouped[:, head], keys.transpose(1, 2)) * scale
         scores.masked_fill_(invalid[:, None, :], float("-inf"))
-        torch.bmm(scores.softmax(-1), values, out=out[head])
+        torch.bmm(scores.softmax(-1), values.view(n, length, dv), out=out[head])
     return out.transpose(0, 1).reshape(n, heads, dv)
-
-
-def _first_positions(
-    cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor, n: int, length: int
-) -> torch.Tensor:
-    """cache [NB, BS, D] -> fp32 [n, length, D]: each sequence's rows at (blocks, offsets)
-    [n * read], then zeros up to `length`."""
-    read = len(offsets) // n
-    out = torch.zeros(n, length, cache.shape[-1], dtype=torch.float32, device=cache.device)
-    out[:, :read] = cache[blocks, offsets].view(n, read, -1)
-    return out
 
 
 def paged_attention(
