@@ -75,30 +75,41 @@ def attend_one_each(
 ) -> torch.Tensor:
     """`attend` of N sequences of one query row each, at once: q [N,H,D] at `positions`,
     keys[i] [Li,H,D] and values[i] [Li,H,Dv] (Li <= positions[i] + 1, one key head per
-    query head) -> [N,H,Dv], bit for bit what `attend` gives each row alone.
-
-    A row's one tile reduces over the key positions below its tile's end, so the rows of
-    one tile end run as one pair of einsums whose head axis holds every sequence's heads:
-    each (sequence, head) is still its own [1,D] x [D,end] product, as in `attend`, only a
-    loop of small ops per sequence fewer."""
+    query head) -> [N,H,Dv], bit for bit what `attend` gives each row alone."""
     out = q.new_empty(q.shape[0], q.shape[1], values[0].shape[-1])
+    for end, rows in tile_ends(positions).items():
+        k = torch.stack([_padded(keys[i], end) for i in rows], dim=1)
+        v = torch.stack([_padded(values[i], end) for i in rows], dim=1)
+        out[rows] = attend_one_tile(q[rows], k, v, [positions[i] for i in rows], scale)
+    return out
+
+
+def tile_ends(positions: list[int]) -> dict[int, list[int]]:
+    """The end of the `attend` tile of a one-row query at each position -> the indices of
+    the positions whose tile ends there."""
     ends: dict[int, list[int]] = {}
     for i, position in enumerate(positions):
         ends.setdefault((position // ATTENTION_TILE + 1) * ATTENTION_TILE, []).append(i)
-    for end, rows in ends.items():
-        n, heads = len(rows), q.shape[1]
-        k = torch.stack([_padded(keys[i], end) for i in rows], dim=1)  # [end, n, H, D]
-        v = torch.stack([_padded(values[i], end) for i in rows], dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q[rows].view(1, n * heads, -1),
-                              k.view(end, n * heads, -1)) * scale  # fmt: skip
-        at = torch.tensor([positions[i] for i in rows], device=q.device)
-        visible = torch.arange(end, device=q.device)[None, :] <= at[:, None]  # [n, end]
-        scores = scores.view(n, heads, 1, end).masked_fill(~visible[:, None, None, :],
-                                                            float("-inf"))  # fmt: skip
-        probs = scores.view(n * heads, 1, end).softmax(-1)
-        o = torch.einsum("hqk,khd->qhd", probs, v.view(end, n * heads, -1))
-        out[rows] = o.view(n, heads, -1)
-    return out
+    return ends
+
+
+def attend_one_tile(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: list[int], scale: float
+) -> torch.Tensor:
+    """N one-row queries whose `attend` tiles end at the same `end`: q [N,H,D], keys
+    [end,N,H,D] and values [end,N,H,Dv] zero past each sequence's length -> [N,H,Dv].
+
+    One pair of einsums whose head axis holds every sequence's heads: each (sequence, head)
+    is still its own [1,D] x [D,end] product, as in `attend` (same bits), only a loop of
+    small ops per sequence fewer."""
+    end, n, heads = keys.shape[0], q.shape[0], q.shape[1]
+    scores = torch.einsum("qhd,khd->hqk", q.reshape(1, n * heads, -1),
+                          keys.view(end, n * heads, -1)) * scale  # fmt: skip
+    at = torch.tensor(positions, device=q.device)
+    visible = torch.arange(end, device=q.device)[None, :] <= at[:, None]  # [n, end]
+    scores = scores.view(n, heads, 1, end).masked_fill(~visible[:, None, None, :], float("-inf"))
+    probs = scores.view(n * heads, 1, end).softmax(-1)
+    return torch.einsum("hqk,khd->qhd", probs, values.view(end, n * heads, -1)).view(n, heads, -1)
 
 
 def _padded(x: torch.Tensor, length: int) -> torch.Tensor:

@@ -11,7 +11,7 @@ import torch
 
 from transfer.geometry import MLASpec, Segment
 from transfer.model.batch import Batch
-from transfer.model.layers.common import attend, attend_one_each
+from transfer.model.layers.common import attend, attend_one_tile, tile_ends
 from transfer.model.layers.norms import rms_normalize
 from transfer.model.layers.varlen import sequence_keys, write_kv
 from transfer.model.rank_weights import RankWeights
@@ -61,19 +61,44 @@ class KimiMLA:
             write_kv(batch, cache, entries)
         q = self._query(x).view(T, -1, self.nope_dim + self.rope_dim)
         o = q.new_empty(T, q.shape[1], self.v_dim)
-        one_row: list[tuple[int, torch.Tensor, torch.Tensor, int]] = []  # (row, k, v, position)
-        for i, sequence in enumerate(batch.sequences):
+        decoding = [i for i, s in enumerate(batch.sequences)
+                    if cache is not None and s.context_len > 0 and len(s.tokens) == 1]  # fmt: skip
+        for i in sorted(set(range(batch.num_sequences)) - set(decoding)):
             span = batch.span(i)
-            keys = sequence_keys(batch, i, cache, entries)
-            k, v = self._keys_values(keys)
-            if span.stop - span.start == 1:  # a decode token: attended with the others
-                one_row.append((span.start, k, v, sequence.context_len))
-            else:
-                o[span] = attend(q[span], k, v, batch.positions[span], self.scale)
-        if one_row:
-            rows, k, v, positions = (list(c) for c in zip(*one_row, strict=True))
-            o[rows] = attend_one_each(q[rows], k, v, positions, self.scale)
+            k, v = self._keys_values(sequence_keys(batch, i, cache, entries))
+            o[span] = attend(q[span], k, v, batch.positions[span], self.scale)
+        if decoding:
+            rows = [batch.bounds[i] for i in decoding]
+            o[rows] = self._attend_decoding(q[rows], batch, cache, decoding)
         return linear(o.reshape(T, -1), self.o_proj)
+
+    def _attend_decoding(
+        self, q: torch.Tensor, batch: Batch, cache: torch.Tensor, members: list[int]
+    ) -> torch.Tensor:
+        """`attend` of one decode token per sequence in `members` (q [N,H,qk]) over its
+        context and itself, bit for bit, with one gather of their latents per tile end
+        instead of a read per sequence. The up-projection stays one GEMM per sequence: a
+        GEMM's rows change with its row count (transfer/model/row_invariant.py)."""
+        out = q.new_empty(q.shape[0], q.shape[1], self.v_dim)
+        positions = [batch.sequences[i].context_len for i in members]
+        block_size = cache.shape[1]
+        for end, group in tile_ends(positions).items():
+            lengths = [positions[j] + 1 for j in group]
+            read = torch.arange(max(lengths), device=q.device)
+            tables = batch.block_tables[[members[j] for j in group]].clamp(min=0)
+            entries = cache[tables[:, read // block_size], read % block_size].float()
+            heads = q.shape[1]
+            keys = q.new_zeros(end, len(group), heads, self.nope_dim + self.rope_dim)
+            values = q.new_zeros(end, len(group), heads, self.v_dim)
+            for g, length in enumerate(lengths):
+                latent, k_rot = entries[g, :length].split([self.latent_dim, self.rope_dim], -1)
+                kv = linear(latent, self.kv_b).view(length, heads, -1)
+                keys[:length, g, :, : self.nope_dim] = kv[..., : self.nope_dim]
+                keys[:length, g, :, self.nope_dim :] = k_rot[:, None, :]
+                values[:length, g] = kv[..., self.nope_dim :]
+            out[group] = attend_one_tile(q[group], keys, values, [positions[j] for j in group],
+                                         self.scale)  # fmt: skip
+        return out
 
     def _keys_values(self, entries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """entries [L, latent + rope] -> this rank's heads' keys [L, H, qk] and values [L, H, v]."""
