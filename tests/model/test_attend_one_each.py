@@ -1,5 +1,5 @@
-"""`attend_one_each` (Kimi-Linear's MLA decode tokens, all at once) gives each one-row
-sequence the bits `attend` gives it alone."""
+"""Kimi-Linear's MLA attends a step's decode tokens all at once (`attend_one_tile`): each
+one-row sequence gets the bits `attend` gives it alone."""
 
 from __future__ import annotations
 
@@ -7,7 +7,11 @@ import random
 
 import torch
 
+from tests.model.batching_support import BLOCK_SIZE, NUM_BLOCKS, engines, model_of
+from transfer.model.batch import SequenceStep, make_batch
 from transfer.model.layers.common import ATTENTION_TILE, attend, attend_one_each
+from transfer.model.layers.mla_attention import KimiMLA
+from transfer.model.layers.varlen import sequence_keys
 
 
 def test_attend_one_each_gives_each_row_what_attend_gives_it_alone():
@@ -23,3 +27,31 @@ def test_attend_one_each_gives_each_row_what_attend_gives_it_alone():
     for i, p in enumerate(positions):
         alone = attend(q[i : i + 1], keys[i], values[i], torch.tensor([p]), 0.1)
         assert torch.equal(got[i : i + 1], alone), f"row {i} at position {p}"
+
+
+def test_kimi_mla_decode_tokens_get_the_bits_of_one_attend_each(tmp_path_factory):
+    model = model_of("kimi_linear", tmp_path_factory)
+    e = engines(model, num_slots=6)  # caches full of random bytes: contexts to read
+    mla = next(s.fn for s in model.sublayers if isinstance(s.fn, KimiMLA))
+    # contexts on both sides of a tile end and of a block boundary, and a prompt token
+    contexts = [5, 15, 63, 64, 100, 130]
+    blocks = iter(range(NUM_BLOCKS))
+    sequences = [
+        SequenceStep.decode(7, slot, [next(blocks) for _ in range(c // BLOCK_SIZE + 1)], c)
+        for slot, c in enumerate(contexts)
+    ]
+    sequences.append(SequenceStep((1, 2, 3), 5, (next(blocks),), 0, prefill=True))
+    batch = make_batch(sequences, e.caches)
+    x = torch.randn(batch.token_ids.shape[0], model.geometry.hidden_size)
+    together = mla(x, batch)
+
+    def one_by_one(q, batch, cache, members):
+        assert len(members) == len(contexts)  # the prompt attends on its own
+        rows = []
+        for j, i in enumerate(members):
+            k, v = mla._keys_values(sequence_keys(batch, i, cache, None))
+            rows.append(attend(q[j : j + 1], k, v, batch.positions[batch.span(i)], mla.scale))
+        return torch.cat(rows)
+
+    mla._attend_decoding = one_by_one
+    assert torch.equal(together, mla(x, batch))
