@@ -43,6 +43,7 @@ def config(role: str, dump_dir: Path) -> InstanceConfig:
         max_seqs=3,
         dump_dir=str(dump_dir),
         staging_bytes=STAGING_BYTES,
+        staging_min_packed=1,  # these tests are about staging: stage however few ranges
         prefix_cache=False,
     )
 

@@ -199,6 +199,7 @@ class DecodeSetup:
                 stager=peer.client,
                 pool=instance.staging,
                 min_small_ranges=instance.config.staging_min_ranges,
+                min_packed=instance.config.staging_min_packed,
                 reused_tokens=reused,
             )  # fmt: skip
         )

@@ -109,6 +109,11 @@ def _room(layouts: Sequence[Layout]) -> StagingWindow | None:
     return StagingWindow(STAGING_RESERVED_BYTES, usable) if usable > 0 else None
 
 
+def packed_ranges(plans: Sequence[TransferPlan], num_prefill_ranks: int) -> int:
+    """How many ranges `plans` pack into staging, on every prefill rank together."""
+    return sum(len(gather) for gather in prefill_gathers(plans, num_prefill_ranks))
+
+
 def plan_reads(
     prefill: Sequence[Layout],
     decode: Sequence[Layout],
@@ -119,6 +124,7 @@ def plan_reads(
     stager: Stager | None = None,
     pool: StagingPool | None = None,
     min_small_ranges: int = 8,
+    min_packed: int = 1,
     reused_tokens: int = 0,
 ) -> Reads:
     """Per decode rank, the READs that pull `request`'s cache. With a `stager` (the prefill
@@ -136,6 +142,8 @@ def plan_reads(
     p_bytes, d_bytes = staging_extents(plans)
     if not p_bytes:
         return reads_of(plans)
+    if packed_ranges(plans, len(prefill)) < min_packed:  # not worth a Stage round trip
+        return plan_direct(prefill, decode, request, **part)
     d_offset = pool.allocate(request_id, d_bytes)
     if d_offset is None:
         return plan_direct(prefill, decode, request, **part)
