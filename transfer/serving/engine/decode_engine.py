@@ -365,11 +365,8 @@ class DecodeEngine:
 def _wants_poll_soon(request: Request) -> bool:
     """A transfer whose next poll waits on the clock (not on an answer at the ranks)."""
     transfer = request.transfer
-    return (
-        request.phase is DecodePhase.TRANSFERRING
-        and transfer is not None
-        and (not transfer.polling)
-    )
+    polling = transfer is None or transfer.polling
+    return request.phase is DecodePhase.TRANSFERRING and not polling
 
 
 def _all_true(answer: Answer) -> bool:
