@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 
@@ -17,11 +18,15 @@ from transfer.model.reference import reference_generate
 from transfer.presets import get_preset
 from transfer.serving.engine.instance import InstanceConfig
 from transfer.serving.engine.request import DecodePhase
+from transfer.serving.engine.step import StepPlan
+from transfer.serving.engine.step_pipeline import StepPipeline
+from transfer.serving.ranks.commands import DecodeBatch, TransferStart
 
 pytestmark = pytest.mark.slow
 
 MODEL = "tiny-qwen3-next"
 MAX_TOKENS = 9
+TIMEOUT_S = 30.0
 NAMES = ("a", "b", "c")
 
 
@@ -114,3 +119,83 @@ def test_decode_many_streams_come_from_the_engine_a_step_at_a_time(pair):
     finally:
         client.close()
     wait_slots_free(decode)
+
+
+def record_steps(monkeypatch, decode) -> list[tuple[str, tuple]]:
+    """(sending thread's name, the step's commands) of every step the decode engine sends."""
+    ranks, steps = decode.instance.ranks, []
+    submit = ranks.submit
+
+    def recording(command):
+        steps.append((threading.current_thread().name, getattr(command, "commands", (command,))))
+        return submit(command)
+
+    monkeypatch.setattr(ranks, "submit", recording)
+    return steps
+
+
+def carries(commands: tuple, kind: type, rid: str | None = None) -> bool:
+    if kind is DecodeBatch:
+        return any(isinstance(c, DecodeBatch) for c in commands)
+    return any(isinstance(c, kind) and c.request_id == rid for c in commands)
+
+
+def test_a_new_transfer_holds_the_decode_batch_back_one_step_and_only_the_loop_sends(
+    pair, monkeypatch
+):
+    """Issue 33: the step posting a new request's READs carries no decode batch, so its
+    answer need not wait for a decode step; the running request loses at most that one step.
+    A collector thread waits for the answers; the engine loop alone sends rank commands."""
+    prefill, decode = pair
+    engine, geometry = decode.worker.engine, get_preset(MODEL)
+    long_tokens = 40  # decoding all the while the second request's transfer starts
+    ids = {"long": prompt(80), "new": prompt(81)}
+    tickets = {name: prefill.worker.prefill(PrefillRequest(name, tuple(p), long_tokens))
+               for name, p in ids.items()}  # fmt: skip
+    steps = record_steps(monkeypatch, decode)
+    held_before = engine.held_back
+    running = iter(decode.worker.decode(DecodeRequest(tickets["long"], long_tokens)))
+    tokens = {"long": [next(running).token, next(running).token]}  # it is decoding now
+    new = iter(decode.worker.decode(DecodeRequest(tickets["new"], MAX_TOKENS)))
+    tokens["new"] = [e.token for e in new]
+    tokens["long"] += [e.token for e in running]
+    assert tokens["long"] == reference_generate(geometry, ids["long"], long_tokens)
+    assert tokens["new"] == reference_generate(geometry, ids["new"], MAX_TOKENS)
+    assert {thread for thread, _ in steps} == {"decode-engine"}
+    (start,) = [i for i, (_, c) in enumerate(steps) if carries(c, TransferStart, "new")]
+    batches = [i for i, (_, c) in enumerate(steps) if carries(c, DecodeBatch)]
+    assert batches[0] < start < batches[-1], "the long request was not decoding then"
+    assert start not in batches and start + 1 in batches  # held back for exactly one step
+    assert engine.held_back > held_before
+    # While the long request decodes, it is never held back two steps in a row.
+    first, last = batches[0], batches[-1]
+    gaps = [b - a for a, b in zip(batches, batches[1:], strict=False) if first <= a < last]
+    assert max(gaps) <= 2, gaps
+    wait_slots_free(decode)
+
+
+def test_only_the_thread_that_sent_first_may_send():
+    """The single-sender rule, enforced: a rank command from another thread is a bug."""
+
+    class Ranks:
+        def submit(self, command):
+            return SimpleNamespace(result=lambda timeout_s: [()])
+
+    pipeline = StepPipeline(Ranks(), lambda: None, TIMEOUT_S)
+    try:
+        assert pipeline.send(StepPlan(0))
+        failure: list[BaseException] = []
+
+        def other() -> None:
+            try:
+                pipeline.send(StepPlan(1))
+            except RuntimeError as exc:
+                failure.append(exc)
+
+        thread = threading.Thread(target=other, name="not-the-engine")
+        thread.start()
+        thread.join(TIMEOUT_S)
+        assert failure and "not-the-engine sent a rank command" in str(failure[0])
+    finally:
+        pipeline.drain()
+    assert len(pipeline) == 0

@@ -43,6 +43,7 @@ def config(role: str, dump_dir: Path) -> InstanceConfig:
         max_seqs=3,
         dump_dir=str(dump_dir),
         staging_bytes=STAGING_BYTES,
+        staging_min_packed=1,  # these tests are about staging: stage however few ranges
         prefix_cache=False,
     )
 
@@ -126,6 +127,26 @@ def test_a_full_prefill_pool_means_direct_reads_not_a_failure(pair):
     assert [e.token for e in events] == reference_generate(geometry, ids, MAX_TOKENS)
     assert check_request(geometry, dump_dir, "unstaged", PREFILL_TP, 1).problems == ()
     assert events[0].descriptors > 8
+    assert_idle(prefill, decode)
+
+
+def test_a_stage_refused_during_a_prefill_batch_means_correct_direct_reads(pair):
+    """Issue 33: a Stage that comes while a prefill batch runs is refused at once
+    (RESOURCE_EXHAUSTED) rather than wait for it; decode reads the ranges directly and its
+    cache and tokens are exactly right. The batch is marked running the way the engine
+    marks its own, so the refusal does not depend on timing."""
+    prefill, decode, dump_dir = pair
+    geometry, ids = get_preset(MODEL), prompt(5)
+    ticket = prefill.worker.prefill(PrefillRequest("refused", tuple(ids), MAX_TOKENS))
+    stages = prefill.worker.engine._stages
+    assert stages.next_step(lambda: ["a batch"]) == ([], ["a batch"])  # "running" from now
+    try:
+        events = list(decode.worker.decode(DecodeRequest(ticket, MAX_TOKENS)))
+    finally:
+        stages.batch_answered()
+    assert [e.token for e in events] == reference_generate(geometry, ids, MAX_TOKENS)
+    assert check_request(geometry, dump_dir, "refused", PREFILL_TP, 1).problems == ()
+    assert events[0].descriptors > 8  # refused, so read directly (staged: at most 8)
     assert_idle(prefill, decode)
 
 

@@ -396,6 +396,24 @@ def test_too_few_small_ranges_read_directly_without_asking():
     assert not pool.holds(RID)
 
 
+def test_fewer_packed_ranges_than_min_packed_read_directly_without_asking():
+    """--staging-min-packed: a transfer packing fewer ranges skips the Stage round trip."""
+    prefill, decode = _layouts("tiny-qwen3-next", 2), _layouts("tiny-qwen3-next", 1)
+    stager = FakeStager(prefill, _arenas(prefill, np.random.default_rng(0)))
+    pool = _decode_pool(decode)
+    staged = _plan(prefill, decode, stager, pool)
+    packed = sum(len(gather.src_offsets) for gather in stager.requests[0].ranks)
+    assert staged.staged_bytes > 0 and packed >= 2
+    for bound, stages in ((packed, True), (packed + 1, False)):
+        pool.free(RID)
+        stager.pool.free(RID)
+        stager.requests.clear()
+        reads = _plan(prefill, decode, stager, pool, min_packed=bound)
+        assert (reads.staged_bytes > 0) == stages and len(stager.requests) == stages
+    assert _same_reads(reads, plan_direct(prefill, decode, _request()))
+    assert not pool.holds(RID)
+
+
 # --- decode already holds the first blocks (prefix cache) ---------------------------------
 
 

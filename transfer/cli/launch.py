@@ -117,6 +117,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="each worker's staging pool per rank; 0 reads every range directly "
         "(default %(default)s)",
     )
+    parser.add_argument(
+        "--staging-min-packed",
+        type=int,
+        default=serve_default("staging_min_packed"),
+        help="stage a transfer only when it packs at least this many ranges (default %(default)s)",
+    )
     add_local_prefix_cache_arguments(parser)
     add_local_transfer_mode_arguments(parser)
     parser.add_argument(
@@ -202,6 +208,7 @@ def launch(config: LaunchConfig) -> int:
             config.transport, config.gpu_mem, config.device, max_seqs=len(prompts),
             block_size=config.block_size, seed=config.seed, dump_dir=dump_dir,
             timeout_s=config.timeout, staging_mib=config.staging_mib,
+            staging_min_packed=config.staging_min_packed,
             prefix_cache=config.prefix_cache, checkpoint_interval=config.checkpoint_interval,
             transfer_mode=config.transfer_mode, stream_layers=config.stream_layers,
         ),

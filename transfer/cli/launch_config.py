@@ -15,6 +15,7 @@ _AT_LEAST_ONE = (
     "max_tokens",
     "block_size",
     "stream_layers",
+    "staging_min_packed",
 )
 
 
@@ -43,6 +44,7 @@ class LaunchConfig:
     timeout: float = 300.0
     keep_logs: bool = False
     staging_mib: int = serve_default("staging_mib")
+    staging_min_packed: int = serve_default("staging_min_packed")
     prefix_cache: bool = serve_default("prefix_cache")
     shared_prefix: int = 0
     checkpoint_interval: int = serve_default("checkpoint_interval")

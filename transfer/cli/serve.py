@@ -122,6 +122,13 @@ def add_instance_arguments(parser: argparse.ArgumentParser) -> None:
         "(default %(default)s)",
     )
     parser.add_argument(
+        "--staging-min-packed",
+        type=int,
+        default=_D("staging_min_packed"),
+        help="decode stages a transfer only when it would pack at least this many ranges in "
+        "all; fewer are read directly, saving the Stage round trip (default %(default)s)",
+    )
+    parser.add_argument(
         "--prefix-cache",
         action=argparse.BooleanOptionalAction,
         default=_D("prefix_cache"),

@@ -11,7 +11,11 @@ goes back through the cache manager's `release`.
 Steps are pipelined (`PIPELINE_DEPTH`): the next step is sent before the current one's
 answer is back, naming no token for the requests it continues (the rank feeds what it just
 picked), so the ranks go from one step to the next without a round trip through here. The
-ranks run the steps in the order they were sent: nothing overtakes anything.
+ranks run the steps in the order they were sent: nothing overtakes anything. A collector
+thread waits for the answers (`step_pipeline`), so the loop never blocks on a step: a new
+request's Acquire, plan and TransferStart go on while a decode step runs. A step that
+starts a transfer holds the decode batch back (at most one step in a row), so the start is
+answered without waiting for a decode step (issue 33: the exposed transfer).
 """
 
 from __future__ import annotations
@@ -21,7 +25,6 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -34,9 +37,10 @@ from transfer.serving.engine.cache_manager import SETTLE_POLL_S, CacheManager
 from transfer.serving.engine.decode_setup import DecodeSetup
 from transfer.serving.engine.instance import Instance
 from transfer.serving.engine.request import END, DecodePhase, Request
-from transfer.serving.engine.step import Answer, EngineStep, SentStep, StepPlan
-from transfer.serving.engine.transfers import Outcome
-from transfer.serving.ranks.commands import DecodeBatch, DecodeStep, TransferPoll
+from transfer.serving.engine.step import Answer, StepPlan
+from transfer.serving.engine.step_pipeline import StepPipeline
+from transfer.serving.engine.transfer_progress import TransferProgress
+from transfer.serving.ranks.commands import DecodeBatch, DecodeStep, TransferStart
 from transfer.serving.ranks.rank_protocol import same_on_every_rank
 
 logger = logging.getLogger(__name__)
@@ -68,15 +72,18 @@ class DecodeEngine:
         self._wake = threading.Event()
         self.peer_client = PeerClient(instance_id, options, max_workers=8, on_event=self._wake.set)
         self.setup = DecodeSetup(self, options, known_prefill)
+        self.transfers = TransferProgress(self)
         self._new: queue.SimpleQueue[Request] = queue.SimpleQueue()
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._planner_pool = ThreadPoolExecutor(2, thread_name_prefix="decode-plan")
         self.active: list[Request] = []  # every request not yet DONE and delivered
         self._finishing: list[Request] = []  # ended; its stream ends once its cache is back
         self._pending_commands: list[tuple] = []  # (command, handler) for the next step
-        self._sent: deque[SentStep] = deque()
+        self._steps = StepPipeline(instance.ranks, self._wake.set, STEP_TIMEOUT_S, "decode")
         self.steps = 0  # steps sent: tests and metrics count in steps, not seconds
         self.decode_steps = 0  # of those, steps that carried a decode batch
+        self.held_back = 0  # of those, steps that held the decode batch back for a transfer
+        self._held_back = False  # the last step sent held the decode batch back
         self._last_answer_at = 0.0
         self._outgoing: dict[object, list] = {}  # sink -> this step's items for it
         self._closed = False
@@ -133,18 +140,16 @@ class DecodeEngine:
             while not self._closed:
                 self._intake()
                 self._flush()
-                plan = self._build_step() if len(self._sent) < PIPELINE_DEPTH else None
+                if self._steps.handle_answered():
+                    self._deliver_finished()
+                    self._flush()  # the steps' events: one batch per sink
+                    continue  # their handlers may have queued commands: take them first
+                plan = self._build_step() if len(self._steps) < PIPELINE_DEPTH else None
                 if plan:
                     self._send(plan)
-                    if plan.decode_batch and len(self._sent) < PIPELINE_DEPTH:
-                        continue  # fill the pipeline before waiting on it
-                if self._sent:
-                    self._sent.popleft().answer(STEP_TIMEOUT_S)
-                    self._after_answer()
-                    self._flush()  # the step's events: one batch per sink
-                elif not plan:
-                    self._wake.wait(self._idle_wait())
-                    self._wake.clear()
+                    continue  # fill the pipeline
+                self._wake.wait(self._idle_wait())  # an answer, a request, an event
+                self._wake.clear()
         except Exception:  # noqa: BLE001 - a bug must not leave every stream hanging
             logger.exception("decode engine: the loop failed")
         finally:
@@ -172,7 +177,9 @@ class DecodeEngine:
         self._deliver_finished()
 
     def _idle_wait(self) -> float:
-        if any(r.phase is DecodePhase.TRANSFERRING for r in self.active):
+        if len(self._steps) >= PIPELINE_DEPTH:  # nothing can be sent before an answer
+            return IDLE_WAIT_S
+        if any(_wants_poll_soon(r) for r in self.active):
             return 0.0005
         if self.cache.waiting or self.cache.busy or self._pending_commands:
             return 0.005
@@ -190,13 +197,7 @@ class DecodeEngine:
         if request.phase is DecodePhase.ACQUIRED and request.slot < 0:
             self.setup.admit(request)
         elif request.phase is DecodePhase.TRANSFERRING and request.transfer is not None:
-            transfer = request.transfer
-            if transfer.outcome is Outcome.PENDING and now > transfer.deadline > 0:
-                self._transfer_failed(request, f"not done within {self.transfer_deadline_s:g}s")
-            elif transfer.wants_poll(now):
-                transfer.polling = True
-                self.add_command(TransferPoll(request.request_id),
-                                 lambda a, r=request: self.on_poll(r, a))  # fmt: skip
+            self.transfers.advance(request, now)
 
     # -- building and sending a step ------------------------------------------------------
 
@@ -215,11 +216,17 @@ class DecodeEngine:
             plan.add(command, handler)
         batch = [r for r in self.active if r.wants_step and r not in self._finishing]
         batch = batch[: self.max_num_seqs]
+        starts = any(isinstance(command, TransferStart) for command, _ in pending)
+        hold_back = bool(batch) and starts and not self._held_back
+        self._held_back = hold_back
+        if hold_back:  # the start's answer (most are DONE) need not wait for a decode step
+            batch = []
+            self.held_back += 1
         if batch:
             steps = tuple(self._next_decode_step(r) for r in batch)
             for request in batch:
                 request.scheduled += 1
-            plan.add(DecodeBatch(steps), lambda a, b=batch, p=plan: self._on_picks(b, a, p.sent_at))
+            plan.add(DecodeBatch(steps), lambda a, b=batch, p=plan: self._on_picks(b, a, p))
             plan.decode_batch = len(batch)
         return plan
 
@@ -231,20 +238,9 @@ class DecodeEngine:
                           request.decode.sampling, 1 + k)  # fmt: skip
 
     def _send(self, plan: StepPlan) -> None:
-        try:
-            pending = self.instance.ranks.submit(EngineStep(tuple(plan.commands)))
-        except PdxferError as exc:  # the group is gone: every command failed
-            for handler in plan.handlers:
-                handler(exc)
-            return
-        plan.sent_at = time.perf_counter()
-        self.steps += 1
-        if plan.decode_batch:
-            self.decode_steps += 1
-        self._sent.append(SentStep(plan, pending))
-
-    def _after_answer(self) -> None:
-        self._deliver_finished()
+        if self._steps.send(plan):
+            self.steps += 1
+            self.decode_steps += bool(plan.decode_batch)
 
     def emit(self, request: Request, item) -> None:
         """Hand `item` (a TokenEvent, END or an exception) to the request's consumer."""
@@ -264,35 +260,6 @@ class DecodeEngine:
 
     # -- answers --------------------------------------------------------------------------
 
-    def on_poll(self, request: Request, answer: Answer) -> None:
-        transfer = request.transfer
-        if request in self._finishing or transfer is None:
-            return
-        if isinstance(answer, BaseException):  # the command itself failed on a rank
-            transfer.polling = False
-            transfer.fail(str(answer))
-            if self.metrics is not None:
-                self.metrics.record_transfer("failed", transfer.seconds, None, 0)
-            self.finish(request, answer)
-            return
-        post = transfer.advance(request.request_id, answer)
-        if post is not None:
-            self.add_command(post, lambda a, r=request: self._on_post(r, a))
-        if transfer.outcome is Outcome.FAILED:
-            self._transfer_failed(request, transfer.failure)
-        elif transfer.outcome is Outcome.DONE:
-            self.setup.transferred(request)
-
-    def heartbeat_failed(self, request: Request, error: BaseException) -> None:
-        """The lease could not be renewed: prefill may reuse the cache being read."""
-        transfer = request.transfer
-        if self.is_ending(request) or request.phase is not DecodePhase.TRANSFERRING:
-            return
-        transfer.fail(str(error))
-        if self.metrics is not None:
-            self.metrics.record_transfer("failed", transfer.seconds, None, 0)
-        self.finish(request, error)
-
     def is_ending(self, request: Request) -> bool:
         return request in self._finishing or request not in self.active
 
@@ -304,22 +271,6 @@ class DecodeEngine:
         with contextlib.suppress(Closed, RuntimeError):
             self.call_soon(job)
 
-    def _on_post(self, request: Request, answer: Answer) -> None:
-        if isinstance(answer, BaseException) and request not in self._finishing:
-            self._transfer_failed(request, str(answer))
-
-    def _transfer_failed(self, request: Request, reason: str) -> None:
-        transfer = request.transfer
-        transfer.fail(reason)
-        if self.metrics is not None:
-            self.metrics.record_transfer("failed", transfer.seconds, None, 0)
-        self.setup.peers.forget(transfer.peer.address)
-        request.transfer_failure = (
-            f"transfer of {request.request_id!r} from {transfer.peer.instance_id} failed: "
-            f"{transfer.failure}"
-        )
-        self.finish(request, None)
-
     def _on_end(self, request: Request, answer: Answer) -> None:
         if isinstance(answer, BaseException):
             logger.warning("ending transfer of %r: %s", request.request_id, answer)
@@ -329,8 +280,8 @@ class DecodeEngine:
             request.error = TransferFailed(failure, settled=settled)
         self.cache.ended(request, settled)
 
-    def _on_picks(self, batch: list[Request], answer: Answer, sent_at: float) -> None:
-        now = time.perf_counter()
+    def _on_picks(self, batch: list[Request], answer: Answer, plan: StepPlan) -> None:
+        now, sent_at = plan.answered_at or time.perf_counter(), plan.sent_at
         if isinstance(answer, BaseException):
             for request in batch:
                 if request not in self._finishing:
@@ -398,9 +349,7 @@ class DecodeEngine:
 
     def _shut_down(self) -> None:
         self._closed = True
-        for sent in list(self._sent):
-            sent.answer(STEP_TIMEOUT_S)
-        self._sent.clear()
+        self._steps.drain()
         while True:
             try:
                 self.active.append(self._new.get_nowait())
@@ -411,6 +360,13 @@ class DecodeEngine:
             request.released.set()
         self.active.clear()
         self._flush()
+
+
+def _wants_poll_soon(request: Request) -> bool:
+    """A transfer whose next poll waits on the clock (not on an answer at the ranks)."""
+    transfer = request.transfer
+    polling = transfer is None or transfer.polling
+    return request.phase is DecodePhase.TRANSFERRING and not polling
 
 
 def _all_true(answer: Answer) -> bool:

@@ -199,6 +199,7 @@ class DecodeSetup:
                 stager=peer.client,
                 pool=instance.staging,
                 min_small_ranges=instance.config.staging_min_ranges,
+                min_packed=instance.config.staging_min_packed,
                 reused_tokens=reused,
             )  # fmt: skip
         )
@@ -226,7 +227,7 @@ class DecodeSetup:
         request.transfer, request.phase = transfer, DecodePhase.TRANSFERRING
         request.transfer_started = True
         command = transfer.start(request.request_id, request.slot, engine.transfer_deadline_s)
-        engine.add_command(command, lambda answer: engine.on_poll(request, answer))
+        engine.add_command(command, lambda answer: engine.transfers.on_poll(request, answer))
         every = engine.heartbeat_s or max(0.2, (ticket.lease_deadline - time.time()) / 3)
         if transfer.planner is not None:
             every = min(every, STREAM_HEARTBEAT_S)
@@ -309,4 +310,4 @@ class DecodeSetup:
                 logger.info("abort of %r at %s: %s", request.request_id, event.address,
                             event.error)  # fmt: skip
         elif event.op is PeerOp.HEARTBEAT and not event.ok:
-            self.engine.heartbeat_failed(request, event.error)
+            self.engine.transfers.heartbeat_failed(request, event.error)

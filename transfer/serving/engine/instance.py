@@ -66,6 +66,7 @@ class InstanceConfig:
     staging_bytes: int = serve_default("staging_mib") << 20  # per rank (0: every READ is direct)
     # stage a source's small ranges once it has this many
     staging_min_ranges: int = serve_default("staging_min_ranges")
+    staging_min_packed: int = serve_default("staging_min_packed")
     prefix_cache: bool = serve_default("prefix_cache")  # keep full KV blocks by hash
     state_checkpoints: int = serve_default("state_checkpoints")  # prefill with a prefix cache
     # also checkpoint every this many prompt tokens (0: ends only)
@@ -106,6 +107,8 @@ class InstanceConfig:
             raise InvalidInput(f"stream_layers: must be >= 1, got {self.stream_layers}")
         if self.staging_min_ranges < 1:
             raise InvalidInput(f"staging_min_ranges: must be >= 1, got {self.staging_min_ranges}")
+        if self.staging_min_packed < 1:
+            raise InvalidInput(f"staging_min_packed: must be >= 1, got {self.staging_min_packed}")
         if self.tp % self.nnodes:
             raise InvalidInput(f"nnodes: {self.nnodes} must divide tp {self.tp}")
         if not 0 <= self.node_rank < self.nnodes:

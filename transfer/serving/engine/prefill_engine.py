@@ -2,8 +2,9 @@
 
 Each step it takes the prompts that arrived and the events other threads queued (frees
 from the ticket store, Stage calls, settle barriers), admits waiting prompts into the
-cache, and sends ONE rank command (`EngineStep`) carrying the step's slot releases, stage
-gathers, dump snapshots and the prefill batch (`prefill_plan`). When the answer comes back
+cache, and sends ONE rank command (`EngineStep`) carrying the step's slot releases and
+either the stage gathers (never behind a batch: `prefill_stages`) or the prefill batch
+(`prefill_plan`) with its dump snapshots. When the answer comes back
 it moves each prompt on: a prompt whose last chunk ran goes into the prefix cache and
 publishes its ticket (its handler returns it); a freed ticket's cache goes back through
 the cache manager's `release`.
@@ -39,6 +40,7 @@ from transfer.errors import (
 from transfer.serving.engine.cache_manager import PROMPT_WAIT_S, CacheManager
 from transfer.serving.engine.instance import Instance
 from transfer.serving.engine.prefill_plan import check_budget, chunk_of, plan_batch
+from transfer.serving.engine.prefill_stages import StageQueue
 from transfer.serving.engine.prefill_tickets import PrefillTickets, same_ticket
 from transfer.serving.engine.request import PrefillPhase, Prompt
 from transfer.serving.engine.step import Answer, EngineStep, SentStep, StepPlan
@@ -79,7 +81,7 @@ class PrefillEngine:
         self.queued: list[Prompt] = []  # QUEUED, in arrival order
         self.running: list[Prompt] = []  # ALLOCATED or PREFILLING, in arrival order
         self.holding: dict[str, Prompt] = {}  # request id -> the prompt holding a cache under it
-        self._stages: list[tuple[str, tuple[Copies, ...], int, Future]] = []
+        self._stages = StageQueue()
         self._new: queue.SimpleQueue[Prompt] = queue.SimpleQueue()
         self._events: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._barriers: list[threading.Event] = []
@@ -113,8 +115,10 @@ class PrefillEngine:
     def stage(self, request_id: str, copies: tuple[Copies, ...], nbytes: int) -> Future:
         """Gather a held ticket's ranges (`copies[r]` on rank r, already placed at offsets
         from 0) into one staging extent; the future's result is the extent's arena offset."""
-        future: Future = Future()
-        self.call_soon(lambda: self._stages.append((request_id, copies, nbytes, future)))
+        if self._closed:
+            raise Closed("prefill engine: the instance is shutting down")
+        future = self._stages.offer(request_id, copies, nbytes)
+        self._wake.set()
         return future
 
     def settle(self, timeout_s: float) -> bool:
@@ -151,6 +155,7 @@ class PrefillEngine:
                 barriers, self._barriers = self._barriers, []
                 if plan:
                     self._run(plan)
+                    self._stages.batch_answered()
                 for barrier in barriers:  # the frees queued before it are sent and answered
                     barrier.set()
                 if not plan:
@@ -181,7 +186,7 @@ class PrefillEngine:
             except queue.Empty:
                 break
         for prompt in [*self.queued, *self.running]:
-            if _cancelled(prompt):
+            if prompt.cancelled:
                 self.fail(prompt, Cancelled(f"request {prompt.request_id!r}: cancelled"))
         for prompt in list(self.queued):
             self._admit(prompt)
@@ -219,12 +224,15 @@ class PrefillEngine:
         releases, _ = self.cache.commands()  # a prompt's cache never has a transfer to end
         for command in releases:
             plan.add(command)
-        stages, self._stages = self._stages, []
-        for rid, copies, nbytes, future in stages:
-            gather = self.tickets.stage(self.holding.get(rid), rid, copies, nbytes, future)
+        stages, batch = self._stages.next_step(lambda: plan_batch(self.running, self.budget))
+        for call in stages:
+            rid = call.request_id
+            gather = self.tickets.stage(self.holding.get(rid), rid, call.copies, call.nbytes,
+                                        call.future)  # fmt: skip
             if gather is not None:
                 plan.add(*gather)
-        batch = plan_batch(self.running, self.budget)
+        if stages and not plan:  # every Stage answered already: the batch goes next, now
+            self._wake.set()
         if batch:
             saves = [self._reserve(p, n) for p, n in batch]
             chunks = tuple(
@@ -387,15 +395,6 @@ class PrefillEngine:
                 prompt.out.put(closed)
         self.queued.clear()
         self.running.clear()
-        for _, _, _, future in self._stages:
-            future.set_exception(closed)
+        self._stages.fail_all(closed)
         for barrier in self._barriers:
             barrier.set()
-
-
-def _cancelled(prompt: Prompt) -> bool:
-    try:
-        return prompt.is_cancelled()
-    except Exception:  # noqa: BLE001 - a broken callback must not stop the loop
-        logger.exception("is_cancelled of %r failed", prompt.request_id)
-        return False

@@ -109,6 +109,11 @@ def _room(layouts: Sequence[Layout]) -> StagingWindow | None:
     return StagingWindow(STAGING_RESERVED_BYTES, usable) if usable > 0 else None
 
 
+def packed_ranges(plans: Sequence[TransferPlan], num_prefill_ranks: int) -> int:
+    """How many ranges `plans` pack into staging, on every prefill rank together."""
+    return sum(len(gather) for gather in prefill_gathers(plans, num_prefill_ranks))
+
+
 def plan_reads(
     prefill: Sequence[Layout],
     decode: Sequence[Layout],
@@ -119,26 +124,35 @@ def plan_reads(
     stager: Stager | None = None,
     pool: StagingPool | None = None,
     min_small_ranges: int = 8,
+    min_packed: int = 1,
     reused_tokens: int = 0,
 ) -> Reads:
     """Per decode rank, the READs that pull `request`'s cache. With a `stager` (the prefill
     instance's client) and a `pool` (this instance's staging), many small ranges from a
     prefill rank are packed and cross as one READ; the decode extent stays held by
     `request_id` in `pool` until the caller frees it. The KV of the first `reused_tokens`
-    (blocks the decode side already holds) is not read; the state always is."""
+    (blocks the decode side already holds) is not read; the state always is. A transfer
+    that would pack fewer than `min_packed` ranges reads directly: staging saves less than
+    its Stage round trip costs. The packer stages a subset of the direct plan's ranges, so
+    a direct plan of fewer ranges needs no second plan to tell."""
     part = {"tokens": (reused_tokens, request.num_tokens)} if reused_tokens else {}
     p_room, d_room = _room(prefill), _room(decode)
     if stager is None or pool is None or p_room is None or d_room is None:
         return plan_direct(prefill, decode, request, **part)
+    direct = plan_direct(prefill, decode, request, **part)
+    if direct.descriptors < min_packed:
+        return direct
     policy = StagingPolicy(min_small_ranges=min_small_ranges)
     d_free = StagingWindow(d_room.offset, min(d_room.nbytes, pool.largest_free_bytes))
     plans = plan_transfer(prefill, decode, request, policy, p_room, d_free, **part)
     p_bytes, d_bytes = staging_extents(plans)
     if not p_bytes:
         return reads_of(plans)
+    if packed_ranges(plans, len(prefill)) < min_packed:
+        return direct
     d_offset = pool.allocate(request_id, d_bytes)
     if d_offset is None:
-        return plan_direct(prefill, decode, request, **part)
+        return direct
     try:
         gathers = prefill_gathers(plans, len(prefill))
         stage = StageRequest(
@@ -152,7 +166,7 @@ def plan_reads(
         if exc.code not in STAGING_REFUSED:
             raise
         logger.info("staging %r refused (%s): reading directly", request_id, exc)
-        return plan_direct(prefill, decode, request, **part)
+        return direct
     except BaseException:
         pool.free(request_id)
         raise

@@ -12,6 +12,7 @@ prompt has run (the handler gets the ticket then), and reaches PUBLISHED once it
 from __future__ import annotations
 
 import enum
+import logging
 import queue
 import threading
 import time
@@ -21,6 +22,8 @@ from typing import Any
 
 from transfer.cache.prefix_cache import PrefixHit
 from transfer.control.types import DecodeRequest, PrefillRequest, Ticket
+
+logger = logging.getLogger(__name__)
 
 
 class DecodePhase(enum.Enum):
@@ -158,6 +161,15 @@ class Prompt:
     @property
     def request_id(self) -> str:
         return self.prefill.request_id
+
+    @property
+    def cancelled(self) -> bool:
+        """`is_cancelled()`, false if it raises: a broken callback must not stop the loop."""
+        try:
+            return self.is_cancelled()
+        except Exception:  # noqa: BLE001
+            logger.exception("is_cancelled of %r failed", self.request_id)
+            return False
 
     @property
     def prompt_ids(self) -> tuple[int, ...]:

@@ -56,6 +56,9 @@ class ServeOptions:
     max_queue: int = 32
     staging_mib: int = 8
     staging_min_ranges: int = 8
+    # Stage only a transfer that packs this many ranges: below it, the Stage round trip
+    # (and its wait for the prefill loop) costs more than the READs it saves.
+    staging_min_packed: int = 256
     prefix_cache: bool = True
     state_checkpoints: int = DEFAULT_STATE_CHECKPOINTS
     checkpoint_interval: int = 0

@@ -9,6 +9,7 @@ later command of the same step) reuses it, and no command needs to overtake anot
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -61,6 +62,7 @@ class StepPlan:
     handlers: list[Handler] = field(default_factory=list)
     decode_batch: int = 0  # requests in its decode batch
     sent_at: float = 0.0  # time.perf_counter() when it went to the ranks
+    answered_at: float = 0.0  # time.perf_counter() when its answer was back
 
     def add(self, command: RankCommand, handler: Handler | None = None) -> None:
         self.commands.append(command)
@@ -77,11 +79,20 @@ class SentStep:
 
     def answer(self, timeout_s: float) -> None:
         """Wait for the step's answer and run each command's handler."""
+        self.handle(self.wait(timeout_s))
+
+    def wait(self, timeout_s: float) -> list[Answer]:
+        """Wait for the step's answer: one `Answer` per command (any thread)."""
         commands = tuple(self.plan.commands)
         try:
             answers: list[Answer] = split_answers(commands, self.pending.result(timeout_s))
         except Exception as exc:  # the group failed: every command did
             answers = [exc] * len(commands)
+        self.plan.answered_at = time.perf_counter()
+        return answers
+
+    def handle(self, answers: list[Answer]) -> None:
+        """Run each command's handler on its answer (the engine thread)."""
         for handler, answer in zip(self.plan.handlers, answers, strict=True):
             try:
                 handler(answer)

@@ -40,6 +40,7 @@ class LocalPairConfig:
     metrics: bool = False  # serve /metrics on each worker (on a port it picks and announces)
     max_num_batched_tokens: int = serve_default("max_num_batched_tokens")
     staging_mib: int = serve_default("staging_mib")
+    staging_min_packed: int = serve_default("staging_min_packed")
     prefix_cache: bool = serve_default("prefix_cache")  # both instances'
     checkpoint_interval: int = serve_default("checkpoint_interval")  # the prefill instance's
     transfer_mode: str = serve_default("transfer_mode")  # both instances' (--transfer-mode)
@@ -70,7 +71,8 @@ class LocalPair:
                 "metrics_port": ANY_PORT if c.metrics else 0, "ssm_dtype": c.ssm_dtype,
                 "transport": c.transport, "gpu_mem": c.gpu_mem, "device": c.device,
                 "max_seqs": c.max_seqs, "max_num_batched_tokens": c.max_num_batched_tokens,
-                "staging_mib": c.staging_mib, "block_size": c.block_size, "seed": c.seed,
+                "staging_mib": c.staging_mib, "staging_min_packed": c.staging_min_packed,
+                "block_size": c.block_size, "seed": c.seed,
                 "dump_dir": c.dump_dir, "tp": tp, "instance_id": f"{role}-0",
                 "lease_seconds": c.lease_s, "prefix_cache": c.prefix_cache,
                 "checkpoint_interval": c.checkpoint_interval, "transfer_mode": c.transfer_mode,

@@ -145,6 +145,7 @@ def instance_config(options: ServeOptions):
         max_num_batched_tokens=options.max_num_batched_tokens,
         staging_bytes=_staging_bytes(options.staging_mib),
         staging_min_ranges=options.staging_min_ranges,
+        staging_min_packed=options.staging_min_packed,
         prefix_cache=options.prefix_cache,
         state_checkpoints=options.state_checkpoints,
         checkpoint_interval=options.checkpoint_interval,
