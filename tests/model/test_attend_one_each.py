@@ -9,9 +9,31 @@ import torch
 
 from tests.model.batching_support import BLOCK_SIZE, NUM_BLOCKS, engines, model_of
 from transfer.model.batch import SequenceStep, make_batch
-from transfer.model.layers.common import ATTENTION_TILE, attend, attend_one_each
+from transfer.model.layers.common import ATTENTION_TILE, attend, attend_one_tile, tile_ends
 from transfer.model.layers.mla_attention import KimiMLA
 from transfer.model.layers.varlen import sequence_keys
+
+
+def attend_one_each(
+    q: torch.Tensor,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    positions: list[int],
+    scale: float,
+) -> torch.Tensor:
+    """`attend` of N sequences of one query row each, at once: q [N,H,D] at `positions`,
+    keys[i] [Li,H,D] and values[i] [Li,H,Dv] (Li <= positions[i] + 1, one key head per
+    query head) -> [N,H,Dv], bit for bit what `attend` gives each row alone."""
+    out = q.new_empty(q.shape[0], q.shape[1], values[0].shape[-1])
+    for end, rows in tile_ends(positions).items():
+        k = torch.stack([_zero_padded(keys[i], end) for i in rows], dim=1)
+        v = torch.stack([_zero_padded(values[i], end) for i in rows], dim=1)
+        out[rows] = attend_one_tile(q[rows], k, v, [positions[i] for i in rows], scale)
+    return out
+
+
+def _zero_padded(x: torch.Tensor, length: int) -> torch.Tensor:
+    return torch.cat([x, x.new_zeros(length - x.shape[0], *x.shape[1:])])
 
 
 def test_attend_one_each_gives_each_row_what_attend_gives_it_alone():

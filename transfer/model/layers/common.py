@@ -66,24 +66,6 @@ def attend(
     return out
 
 
-def attend_one_each(
-    q: torch.Tensor,
-    keys: list[torch.Tensor],
-    values: list[torch.Tensor],
-    positions: list[int],
-    scale: float,
-) -> torch.Tensor:
-    """`attend` of N sequences of one query row each, at once: q [N,H,D] at `positions`,
-    keys[i] [Li,H,D] and values[i] [Li,H,Dv] (Li <= positions[i] + 1, one key head per
-    query head) -> [N,H,Dv], bit for bit what `attend` gives each row alone."""
-    out = q.new_empty(q.shape[0], q.shape[1], values[0].shape[-1])
-    for end, rows in tile_ends(positions).items():
-        k = torch.stack([_padded(keys[i], end) for i in rows], dim=1)
-        v = torch.stack([_padded(values[i], end) for i in rows], dim=1)
-        out[rows] = attend_one_tile(q[rows], k, v, [positions[i] for i in rows], scale)
-    return out
-
-
 def tile_ends(positions: list[int]) -> dict[int, list[int]]:
     """The end of the `attend` tile of a one-row query at each position -> the indices of
     the positions whose tile ends there."""

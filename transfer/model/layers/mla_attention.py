@@ -91,8 +91,7 @@ class KimiMLA:
             keys = q.new_zeros(end, len(group), heads, self.nope_dim + self.rope_dim)
             values = q.new_zeros(end, len(group), heads, self.v_dim)
             for g, length in enumerate(lengths):
-                latent, k_rot = entries[g, :length].split([self.latent_dim, self.rope_dim], -1)
-                kv = linear(latent, self.kv_b).view(length, heads, -1)
+                kv, k_rot = self._project(entries[g, :length])
                 keys[:length, g, :, : self.nope_dim] = kv[..., : self.nope_dim]
                 keys[:length, g, :, self.nope_dim :] = k_rot[:, None, :]
                 values[:length, g] = kv[..., self.nope_dim :]
@@ -100,10 +99,16 @@ class KimiMLA:
                                          self.scale)  # fmt: skip
         return out
 
-    def _keys_values(self, entries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """entries [L, latent + rope] -> this rank's heads' keys [L, H, qk] and values [L, H, v]."""
+    def _project(self, entries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """entries [L, latent + rope] -> kv [L, H, nope + v] (this rank's heads, up-projected
+        from the latent) and the shared rotary key part k_rot [L, rope]."""
         latent, k_rot = entries.split([self.latent_dim, self.rope_dim], dim=-1)
         kv = linear(latent, self.kv_b).view(entries.shape[0], -1, self.nope_dim + self.v_dim)
+        return kv, k_rot
+
+    def _keys_values(self, entries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """entries [L, latent + rope] -> this rank's heads' keys [L, H, qk] and values [L, H, v]."""
+        kv, k_rot = self._project(entries)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
         k = torch.cat([k_nope, k_rot[:, None, :].expand(-1, k_nope.shape[1], -1)], dim=-1)
         return k, v

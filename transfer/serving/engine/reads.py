@@ -109,11 +109,6 @@ def _room(layouts: Sequence[Layout]) -> StagingWindow | None:
     return StagingWindow(STAGING_RESERVED_BYTES, usable) if usable > 0 else None
 
 
-def packed_ranges(plans: Sequence[TransferPlan], num_prefill_ranks: int) -> int:
-    """How many ranges `plans` pack into staging, on every prefill rank together."""
-    return sum(len(gather) for gather in prefill_gathers(plans, num_prefill_ranks))
-
-
 def plan_reads(
     prefill: Sequence[Layout],
     decode: Sequence[Layout],
@@ -148,13 +143,13 @@ def plan_reads(
     p_bytes, d_bytes = staging_extents(plans)
     if not p_bytes:
         return reads_of(plans)
-    if packed_ranges(plans, len(prefill)) < min_packed:
+    gathers = prefill_gathers(plans, len(prefill))
+    if sum(len(gather) for gather in gathers) < min_packed:  # ranges packed on all ranks
         return direct
     d_offset = pool.allocate(request_id, d_bytes)
     if d_offset is None:
         return direct
     try:
-        gathers = prefill_gathers(plans, len(prefill))
         stage = StageRequest(
             request_id,
             holder,
