@@ -19,7 +19,9 @@ from transfer.bench.vllm_metrics import fetch_connector_totals
 from transfer.serving.launch.vllm_servers import Connector
 from transfer.serving.openai.vllm_backend import post_completion
 
-pytestmark = pytest.mark.slow
+# Longer than the stack's own start deadline (tests/vllm/up_stack.py), so a slow or hung
+# start fails there, with the servers' logs in the message, not in pytest's timeout.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
 CONCURRENT = 8
 ALONE = 3

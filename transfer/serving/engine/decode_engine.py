@@ -40,6 +40,7 @@ from transfer.serving.engine.request import END, DecodePhase, Request
 from transfer.serving.engine.step import Answer, StepPlan
 from transfer.serving.engine.step_pipeline import StepPipeline
 from transfer.serving.engine.transfer_progress import TransferProgress
+from transfer.serving.engine.transfers import Outcome
 from transfer.serving.ranks.commands import DecodeBatch, DecodeStep, TransferStart
 from transfer.serving.ranks.rank_protocol import same_on_every_rank
 
@@ -365,8 +366,8 @@ class DecodeEngine:
 def _wants_poll_soon(request: Request) -> bool:
     """A transfer whose next poll waits on the clock (not on an answer at the ranks)."""
     transfer = request.transfer
-    polling = transfer is None or transfer.polling
-    return request.phase is DecodePhase.TRANSFERRING and not polling
+    waiting = transfer is None or transfer.polling or transfer.outcome is not Outcome.PENDING
+    return request.phase is DecodePhase.TRANSFERRING and not waiting
 
 
 def _all_true(answer: Answer) -> bool:

@@ -3,7 +3,16 @@ its prefill instance (once per instance), Acquire its ticket, room in the cache,
 planned (a whole transfer plans and stages off the engine thread; a stream plans as the
 prefill publishes progress), the transfer started and, once DONE, its ticket Released and
 token 0 sent. Every call to a prefill instance goes through PeerClient: its answer comes back
-as an event (`on_event`), never blocking the loop."""
+as an event (`on_event`), never blocking the loop.
+
+A whole transfer that reads directly does not wait for its Acquire: it is admitted, planned
+and started from the ticket the router passed, while the Acquire is out, and counts as DONE
+only once the Acquire has answered with that same ticket (same publish: its abort key, blocks
+and slot). That is safe because prefill holds a published cache until a Release, an Abort or
+the lease's end, and a freed ticket never comes back under its abort key: an Acquire, then a
+Release, that both succeed on it prove the cache was held from the ticket's publish, before
+any READ, to the Release, after the last. A transfer that would stage waits for the Acquire
+(a Stage must come from the ticket's holder); so do streams and the heartbeats."""
 
 from __future__ import annotations
 
@@ -15,15 +24,15 @@ from typing import TYPE_CHECKING
 
 from transfer.cache.layout import Layout
 from transfer.control.client import ClientOptions, TransferClient
-from transfer.control.errors import NotPermitted
+from transfer.control.errors import NotPermitted, TicketStateError
 from transfer.control.peer_client import PeerEvent, PeerOp
-from transfer.control.types import TokenEvent
+from transfer.control.types import Ticket, TokenEvent
 from transfer.errors import InvalidInput, PdxferError, PeerUnavailable
 from transfer.serving.engine.peers import Peer, PeerTable, unreachable
-from transfer.serving.engine.reads import plan_reads, transfer_request
+from transfer.serving.engine.reads import may_stage, plan_reads, transfer_request
 from transfer.serving.engine.request import DecodePhase, Request
 from transfer.serving.engine.stream import StreamPlanner, progress_entries
-from transfer.serving.engine.transfers import STREAM_HEARTBEAT_S, Transfer
+from transfer.serving.engine.transfers import STREAM_HEARTBEAT_S, Outcome, Transfer
 from transfer.serving.ranks.commands import AddPeers, Snapshot, StreamSource
 from transfer.serving.ranks.progress import TransferMode
 from transfer.serving.ranks.spec import RankReads
@@ -140,6 +149,9 @@ class DecodeSetup:
         request.peer = peer
         request.waiting_on += 1
         self.engine.peer_client.acquire(peer.address, request.request_id, tag=request)
+        if not request.decode.ticket.stream_key:
+            request.ticket = request.decode.ticket  # READs may start before the Acquire answers
+            self.admit(request)
 
     def _acquired(self, request: Request, event: PeerEvent) -> None:
         request.waiting_on -= 1
@@ -148,12 +160,28 @@ class DecodeSetup:
                 self.peers.forget(event.address)
             self.engine.finish(request, event.error)
             return
-        request.ticket, request.ticket_open = event.result, True
+        ticket, early = event.result, request.ticket
+        request.ticket, request.ticket_open = ticket, True
+        if early is not None and not same_publish(early, ticket):
+            # Its READs may have begun from the router's copy, whose cache was freed.
+            self.engine.finish(request, TicketStateError(
+                f"request {request.request_id!r}: the ticket acquired is not the one passed "
+                "(freed and published again)"))  # fmt: skip
+            return
+        request.acquired = True
         if self.engine.is_ending(request):
             self.end_ticket(request)  # it ended while the Acquire was out
             return
-        request.phase = DecodePhase.ACQUIRED
-        self.admit(request)
+        if request.slot < 0:  # not admitted yet (or still waiting for room)
+            request.phase = DecodePhase.ACQUIRED
+            self.admit(request)
+        elif request.plan_after_acquire:
+            request.plan_after_acquire = False
+            self._plan(request)
+        elif request.transfer is not None:
+            self._keep_alive(request)
+            if request.transfer.outcome is Outcome.DONE:
+                self.transferred(request)
 
     # -- room and the transfer ------------------------------------------------------------
 
@@ -189,20 +217,20 @@ class DecodeSetup:
                                                    source=source))  # fmt: skip
             return
         request.waiting_on += 1
-        future = self.engine.plan_off_thread(
-            lambda: plan_reads(
-                peer.layouts,
-                instance.layouts,
-                treq,
-                request_id=ticket.request_id,
-                holder=self.engine.instance_id,
-                stager=peer.client,
-                pool=instance.staging,
-                min_small_ranges=instance.config.staging_min_ranges,
-                min_packed=instance.config.staging_min_packed,
-                reused_tokens=reused,
+        config, early = instance.config, not request.acquired
+
+        def plan():
+            reads = plan_reads(
+                peer.layouts, instance.layouts, treq, request_id=ticket.request_id,
+                holder=self.engine.instance_id, stager=None if early else peer.client,
+                pool=instance.staging, min_small_ranges=config.staging_min_ranges,
+                min_packed=config.staging_min_packed, reused_tokens=reused,
             )  # fmt: skip
-        )
+            staged = may_stage(peer.layouts, instance.layouts, reads, instance.staging,
+                               config.staging_min_packed)  # fmt: skip
+            return None if early and staged else reads  # None: plan again once acquired
+
+        future = self.engine.plan_off_thread(plan)
         future.add_done_callback(
             lambda f: self.engine.call_soon_quietly(lambda: self._planned(request, f, new_blocks))
         )
@@ -216,6 +244,12 @@ class DecodeSetup:
             return
         if self.engine.is_ending(request) or request.cancelled:
             return  # `_advance` ends a cancelled one; its staging goes with its cache
+        if reads is None:  # it would stage, and a Stage must wait for the Acquire
+            if request.acquired:
+                self._plan(request)
+            else:
+                request.plan_after_acquire = True
+            return
         ticket = request.ticket
         transfer = Transfer(request.peer, reads.per_rank, blocks, reads.kv_bytes,
                             reads.state_bytes, reads.descriptors, ticket.first_token,
@@ -223,11 +257,16 @@ class DecodeSetup:
         self._start_transfer(request, transfer)
 
     def _start_transfer(self, request: Request, transfer: Transfer) -> None:
-        engine, ticket = self.engine, request.ticket
+        engine = self.engine
         request.transfer, request.phase = transfer, DecodePhase.TRANSFERRING
         request.transfer_started = True
         command = transfer.start(request.request_id, request.slot, engine.transfer_deadline_s)
         engine.add_command(command, lambda answer: engine.transfers.on_poll(request, answer))
+        if request.acquired:  # else once the Acquire answers: only the holder may renew
+            self._keep_alive(request)
+
+    def _keep_alive(self, request: Request) -> None:
+        engine, ticket, transfer = self.engine, request.ticket, request.transfer
         every = engine.heartbeat_s or max(0.2, (ticket.lease_deadline - time.time()) / 3)
         if transfer.planner is not None:
             every = min(every, STREAM_HEARTBEAT_S)
@@ -237,6 +276,8 @@ class DecodeSetup:
     def transferred(self, request: Request) -> None:
         """Its transfer is DONE: every READ landed and was unpacked. Release the ticket; the
         request runs once prefill has it back."""
+        if not request.acquired:
+            return  # the Acquire's answer calls this again
         engine, ticket, transfer = self.engine, request.ticket, request.transfer
         request.exposed_s = transfer.exposed_s(request.arrived)
         if engine.metrics is not None:
@@ -311,3 +352,9 @@ class DecodeSetup:
                             event.error)  # fmt: skip
         elif event.op is PeerOp.HEARTBEAT and not event.ok:
             self.engine.transfers.heartbeat_failed(request, event.error)
+
+
+def same_publish(passed: Ticket, acquired: Ticket) -> bool:
+    """Whether `acquired` is the publish `passed` came from (its lease may have moved)."""
+    return (passed.abort_key, passed.block_ids, passed.slot_id, passed.num_tokens) == (
+        acquired.abort_key, acquired.block_ids, acquired.slot_id, acquired.num_tokens)  # fmt: skip

@@ -109,6 +109,19 @@ def _room(layouts: Sequence[Layout]) -> StagingWindow | None:
     return StagingWindow(STAGING_RESERVED_BYTES, usable) if usable > 0 else None
 
 
+def may_stage(
+    prefill: Sequence[Layout],
+    decode: Sequence[Layout],
+    direct: Reads,
+    pool: StagingPool | None,
+    min_packed: int,
+) -> bool:
+    """Whether `plan_reads`, given a stager, would try to stage rather than read `direct`:
+    both instances have staging room and the direct plan is long enough to pay for a Stage."""
+    has_room = pool is not None and _room(prefill) is not None and _room(decode) is not None
+    return has_room and direct.descriptors >= min_packed
+
+
 def plan_reads(
     prefill: Sequence[Layout],
     decode: Sequence[Layout],
@@ -131,12 +144,12 @@ def plan_reads(
     its Stage round trip costs. The packer stages a subset of the direct plan's ranges, so
     a direct plan of fewer ranges needs no second plan to tell."""
     part = {"tokens": (reused_tokens, request.num_tokens)} if reused_tokens else {}
-    p_room, d_room = _room(prefill), _room(decode)
-    if stager is None or pool is None or p_room is None or d_room is None:
+    if stager is None:
         return plan_direct(prefill, decode, request, **part)
     direct = plan_direct(prefill, decode, request, **part)
-    if direct.descriptors < min_packed:
+    if not may_stage(prefill, decode, direct, pool, min_packed):
         return direct
+    p_room, d_room = _room(prefill), _room(decode)
     policy = StagingPolicy(min_small_ranges=min_small_ranges)
     d_free = StagingWindow(d_room.offset, min(d_room.nbytes, pool.largest_free_bytes))
     plans = plan_transfer(prefill, decode, request, policy, p_room, d_free, **part)

@@ -2,8 +2,10 @@
 phase to the next; a gRPC handler only submits the request and drains `out`.
 
 Decode:  ACQUIRING -> ACQUIRED -> TRANSFERRING -> RUNNING -> DONE
-                         |            |             |
-                         +------------+-------------+--> HELD (a READ may still land) -> DONE
+             |           |          ^   |             |
+             +-----------|----------+   |             |  (a direct READ does not wait for the
+                         |              |             |   Acquire; DONE needs it: `acquired`)
+                         +--------------+-------------+--> HELD (a READ may still land) -> DONE
 Prefill: QUEUED -> ALLOCATED -> PREFILLING -> PUBLISHED -> DONE (`Prompt`); any phase may end
 in DONE on a failure. Layer-wise streaming publishes its ticket at ALLOCATED, before the
 prompt has run (the handler gets the ticket then), and reaches PUBLISHED once it has.
@@ -59,8 +61,10 @@ class Request:
     decode: DecodeRequest
     arrived: float = field(default_factory=time.perf_counter)
     phase: DecodePhase = DecodePhase.ACQUIRING
-    ticket: Ticket | None = None  # the acquired ticket (None until ACQUIRED)
+    ticket: Ticket | None = None  # the router's copy until the Acquire answers, then its answer
     ticket_open: bool = False  # acquired and neither released nor aborted yet
+    acquired: bool = False  # the Acquire answered with the ticket its READs use
+    plan_after_acquire: bool = False  # its transfer would stage: planned once acquired
     blocks: tuple[int, ...] = ()
     slot: int = -1
     held_prefix: int = 0  # leading blocks the prefix cache already had
