@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
+from functools import partial
 from typing import TYPE_CHECKING
 
 from transfer.control.types import TokenEvent
@@ -78,8 +79,7 @@ class DecodeBatches:
             for request in batch:
                 request.scheduled += 1
             self._in_flight.append(sent)
-            handler = lambda a, s=sent, p=plan, first=i == 0: self.on_picks(s, a, p, first)  # noqa: E731
-            plan.add(DecodeBatch(steps), handler)
+            plan.add(DecodeBatch(steps), partial(self.on_picks, sent, plan=plan, first=i == 0))
         plan.decode_batch = len(wanting)
 
     def on_picks(self, sent: SentBatch, answer: Answer, plan: StepPlan, first: bool) -> None:
