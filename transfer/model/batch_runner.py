@@ -9,16 +9,38 @@ per step).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
-from transfer.errors import InvalidInput
+from transfer.errors import InvalidInput, PdxferError
 from transfer.model.batch import SequenceStep, make_batch
 from transfer.model.layers.common import AfterLayer
 from transfer.model.runner import RankEngine, blocks_needed, is_index
 from transfer.model.sampling import GREEDY, Pick, Sampler, choose_rows, logprobs_of
+
+
+class StepFailed(PdxferError):
+    """A step failed after its checks passed, once it may have written the caches: the
+    linear-attention states of its sequences (advanced in place, layer by layer) may be
+    half-advanced, so running any of them again would advance them twice. Deliberately of
+    no error kind that says "changed nothing" (`InvalidInput`, `WrongState`)."""
+
+
+@contextmanager
+def _writing(num_sequences: int) -> Iterator[None]:
+    """Raise any failure inside as `StepFailed`."""
+    try:
+        yield
+    except StepFailed:
+        raise
+    except Exception as exc:
+        raise StepFailed(
+            f"a step of {num_sequences} sequences failed after its checks: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
 
 
 @dataclass(frozen=True)
@@ -41,7 +63,8 @@ class BatchEngine:
     its FREE slot from zeros (it becomes READY); one with context_len > 0 continues a READY
     slot exactly as its bytes are (a later prompt chunk, a decode token, or the first decode
     token after a transfer). A slot or block being filled by a transfer raises
-    `CacheFillingError`. A step that fails its checks changes nothing.
+    `CacheFillingError`. A step that fails its checks changes nothing; one that fails
+    after them raises `StepFailed`.
     """
 
     def __init__(self, engine: RankEngine) -> None:
@@ -57,8 +80,9 @@ class BatchEngine:
         for s in sequences:
             if s.context_len == 0:
                 slots.begin_prefill(int(s.slot), s.block_ids)
-        batch = make_batch(sequences, self.engine.caches, self.engine.device)
-        return self.engine.model.forward_batch(batch, after_layer=after_layer)
+        with _writing(len(sequences)):
+            batch = make_batch(sequences, self.engine.caches, self.engine.device)
+            return self.engine.model.forward_batch(batch, after_layer=after_layer)
 
     def step(
         self,
@@ -79,10 +103,11 @@ class BatchEngine:
                 f"{len(samplers)} and {len(indices)}"
             )
         logits = self.step_logits(sequences, after_layer)
-        picked = choose_rows(logits, samplers, indices)
-        tokens = torch.tensor(picked, dtype=torch.float64, device=logits.device)
-        picks = torch.stack([tokens, logprobs_of(logits, picked).double()], dim=1)
-        picks = self.engine.tp.broadcast_(picks.to(self.engine.device), src=0).cpu()
+        with _writing(n):
+            picked = choose_rows(logits, samplers, indices)
+            tokens = torch.tensor(picked, dtype=torch.float64, device=logits.device)
+            picks = torch.stack([tokens, logprobs_of(logits, picked).double()], dim=1)
+            picks = self.engine.tp.broadcast_(picks.to(self.engine.device), src=0).cpu()
         return StepOutput(logits, tuple(Pick(int(t), float(lp)) for t, lp in picks.tolist()))
 
     def check(self, sequences: Sequence[SequenceStep]) -> tuple[SequenceStep, ...]:

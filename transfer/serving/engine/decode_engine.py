@@ -5,8 +5,9 @@ Each step it takes the requests that arrived, handles what the prefill instances
 into the cache, and sends ONE rank command (`EngineStep`) carrying the step's frees, ends
 of transfers, transfer starts, posts and polls, snapshots and the decode batch. When the
 answer comes back it moves each request on: a finished transfer releases its ticket and
-emits token 0, a decode pick goes to its request's `out`, and an ended request's cache
-goes back through the cache manager's `release`.
+emits token 0, a decode batch's picks go to their requests (`decode_batches`), and an
+ended request's cache goes back through the cache manager's `release` before its stream
+ends (`decode_streams`).
 
 Steps are pipelined (`PIPELINE_DEPTH`): the next step is sent before the current one's
 answer is back, naming no token for the requests it continues (the rank feeds what it just
@@ -31,18 +32,19 @@ from concurrent.futures import ThreadPoolExecutor
 from transfer.control.client import ClientOptions
 from transfer.control.metrics import WorkerMetrics
 from transfer.control.peer_client import PeerClient, PeerEvent
-from transfer.control.types import DecodeRequest, TokenEvent
-from transfer.errors import Cancelled, Closed, PdxferError, TransferFailed
+from transfer.control.types import DecodeRequest
+from transfer.errors import Cancelled, Closed, TransferFailed
 from transfer.serving.engine.cache_manager import SETTLE_POLL_S, CacheManager
+from transfer.serving.engine.decode_batches import DecodeBatches
 from transfer.serving.engine.decode_setup import DecodeSetup
+from transfer.serving.engine.decode_streams import DecodeStreams
 from transfer.serving.engine.instance import Instance
-from transfer.serving.engine.request import END, DecodePhase, Request
+from transfer.serving.engine.request import DecodePhase, Request
 from transfer.serving.engine.step import Answer, StepPlan
 from transfer.serving.engine.step_pipeline import StepPipeline
 from transfer.serving.engine.transfer_progress import TransferProgress
 from transfer.serving.engine.transfers import Outcome
-from transfer.serving.ranks.commands import DecodeBatch, DecodeStep, TransferStart
-from transfer.serving.ranks.rank_protocol import same_on_every_rank
+from transfer.serving.ranks.commands import TransferStart
 
 logger = logging.getLogger(__name__)
 
@@ -78,15 +80,12 @@ class DecodeEngine:
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._planner_pool = ThreadPoolExecutor(2, thread_name_prefix="decode-plan")
         self.active: list[Request] = []  # every request not yet DONE and delivered
-        self._finishing: list[Request] = []  # ended; its stream ends once its cache is back
+        self.streams = DecodeStreams(self)  # its requests' events, and their ends
         self._pending_commands: list[tuple] = []  # (command, handler) for the next step
         self._steps = StepPipeline(instance.ranks, self._wake.set, STEP_TIMEOUT_S, "decode")
         self.steps = 0  # steps sent: tests and metrics count in steps, not seconds
         self.decode_steps = 0  # of those, steps that carried a decode batch
-        self.held_back = 0  # of those, steps that held the decode batch back for a transfer
-        self._held_back = False  # the last step sent held the decode batch back
-        self._last_answer_at = 0.0
-        self._outgoing: dict[object, list] = {}  # sink -> this step's items for it
+        self.batches = DecodeBatches(self)
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="decode-engine", daemon=True)
         self._thread.start()
@@ -128,6 +127,11 @@ class DecodeEngine:
         self._pending_commands.append((command, handler))
 
     @property
+    def held_back(self) -> int:
+        """Steps that held the decode batch back for a transfer start."""
+        return self.batches.held_back
+
+    @property
     def num_running(self) -> int:
         return sum(1 for r in list(self.active) if r.phase is DecodePhase.RUNNING)
 
@@ -140,10 +144,10 @@ class DecodeEngine:
         try:
             while not self._closed:
                 self._intake()
-                self._flush()
+                self.streams.flush()
                 if self._steps.handle_answered():
-                    self._deliver_finished()
-                    self._flush()  # the steps' events: one batch per sink
+                    self.streams.deliver_finished()
+                    self.streams.flush()  # the steps' events: one batch per sink
                     continue  # their handlers may have queued commands: take them first
                 plan = self._build_step() if len(self._steps) < PIPELINE_DEPTH else None
                 if plan:
@@ -175,7 +179,7 @@ class DecodeEngine:
         now = time.perf_counter()
         for request in list(self.active):
             self._advance(request, now)
-        self._deliver_finished()
+        self.streams.deliver_finished()
 
     def _idle_wait(self) -> float:
         if len(self._steps) >= PIPELINE_DEPTH:  # nothing can be sent before an answer
@@ -190,7 +194,7 @@ class DecodeEngine:
 
     def _advance(self, request: Request, now: float) -> None:
         """Move `request` on as far as this step allows."""
-        if request in self._finishing:
+        if request in self.streams.finishing:
             return
         if request.cancelled and not self.setup.busy(request):
             self.finish(request, Cancelled("decode: the caller went away"))
@@ -215,54 +219,23 @@ class DecodeEngine:
         pending, self._pending_commands = self._pending_commands, []
         for command, handler in pending:
             plan.add(command, handler)
-        batch = [r for r in self.active if r.wants_step and r not in self._finishing]
-        batch = batch[: self.max_num_seqs]
         starts = any(isinstance(command, TransferStart) for command, _ in pending)
-        hold_back = bool(batch) and starts and not self._held_back
-        self._held_back = hold_back
-        if hold_back:  # the start's answer (most are DONE) need not wait for a decode step
-            batch = []
-            self.held_back += 1
-        if batch:
-            steps = tuple(self._next_decode_step(r) for r in batch)
-            for request in batch:
-                request.scheduled += 1
-            plan.add(DecodeBatch(steps), lambda a, b=batch, p=plan: self._on_picks(b, a, p))
-            plan.decode_batch = len(batch)
+        self.batches.add(plan, starts)
         return plan
-
-    def _next_decode_step(self, request: Request) -> DecodeStep:
-        k = request.scheduled
-        token = request.last_token if k == request.delivered else None
-        ticket = request.ticket
-        return DecodeStep(token, ticket.num_tokens + k, request.blocks, request.slot,
-                          request.decode.sampling, 1 + k)  # fmt: skip
 
     def _send(self, plan: StepPlan) -> None:
         if self._steps.send(plan):
             self.steps += 1
             self.decode_steps += bool(plan.decode_batch)
 
-    def emit(self, request: Request, item) -> None:
-        """Hand `item` (a TokenEvent, END or an exception) to the request's consumer."""
-        if request.sink is None:
-            request.out.put(item)
-        else:
-            tagged = (request.sink_tag, None if item is END else item)
-            self._outgoing.setdefault(request.sink, []).append(tagged)
-
-    def _flush(self) -> None:
-        outgoing, self._outgoing = self._outgoing, {}
-        for sink, items in outgoing.items():
-            try:
-                sink(items)
-            except Exception:  # noqa: BLE001 - one consumer's bug must not stop the engine
-                logger.exception("decode engine: a sink failed")
-
     # -- answers --------------------------------------------------------------------------
 
     def is_ending(self, request: Request) -> bool:
-        return request in self._finishing or request not in self.active
+        return request in self.streams.finishing or request not in self.active
+
+    def is_finishing(self, request: Request) -> bool:
+        """Ended: its stream ends once its cache is back."""
+        return request in self.streams.finishing
 
     def plan_off_thread(self, job: Callable[[], object]):
         return self._planner_pool.submit(job)
@@ -281,59 +254,15 @@ class DecodeEngine:
             request.error = TransferFailed(failure, settled=settled)
         self.cache.ended(request, settled)
 
-    def _on_picks(self, batch: list[Request], answer: Answer, plan: StepPlan) -> None:
-        now, sent_at = plan.answered_at or time.perf_counter(), plan.sent_at
-        if isinstance(answer, BaseException):
-            for request in batch:
-                if request not in self._finishing:
-                    self.finish(request, answer)
-            return
-        try:
-            picks = same_on_every_rank(answer, "decode step")
-        except PdxferError as exc:
-            for request in batch:
-                self.finish(request, exc)
-            return
-        if self.metrics is not None:  # the step ran from when it was sent or the last answer
-            began = max(self._last_answer_at, sent_at)
-            self.metrics.record_decode_step(len(batch), max(0.0, now - began))
-        self._last_answer_at = now
-        for request, pick in zip(batch, picks, strict=True):
-            request.delivered += 1
-            request.last_token = pick.token
-            if request in self._finishing or request.cancelled:
-                continue
-            index = request.delivered
-            last = index == request.last_index
-            self.emit(request, TokenEvent(request.request_id, pick.token, index,
-                                          finished=last, logprob=pick.logprob))  # fmt: skip
-            if last:
-                self.finish(request, None)
-
     # -- the end of a request -------------------------------------------------------------
 
-    def finish(self, request: Request, error: BaseException | None) -> None:
-        """End `request`: abort its ticket if still open, give its cache back; its stream
-        ends (with `error`, if any) once both are done."""
-        if request in self._finishing:
-            return
-        if error is not None and request.error is None:
-            request.error = error
-        self._finishing.append(request)
-        self.setup.end_ticket(request)
-        self.cache.release(request)
+    def emit(self, request: Request, item) -> None:
+        """Hand `item` (a TokenEvent, END or an exception) to the request's consumer."""
+        self.streams.emit(request, item)
 
-    def _deliver_finished(self) -> None:
-        for request in list(self._finishing):
-            back = (
-                request.phase in (DecodePhase.DONE, DecodePhase.HELD) and request.released.is_set()
-            )
-            if not back or self.setup.busy(request):
-                continue
-            self._finishing.remove(request)
-            if request in self.active:
-                self.active.remove(request)
-            self.emit(request, request.error if request.error is not None else END)
+    def finish(self, request: Request, error: BaseException | None) -> None:
+        """End `request` (`DecodeStreams.finish`)."""
+        self.streams.finish(request, error)
 
     def _on_peer_event(self, event: PeerEvent) -> None:
         self.setup.on_event(event)
@@ -360,7 +289,7 @@ class DecodeEngine:
             self.emit(request, Closed("decode engine: the instance is shutting down"))
             request.released.set()
         self.active.clear()
-        self._flush()
+        self.streams.flush()
 
 
 def _wants_poll_soon(request: Request) -> bool:

@@ -7,12 +7,7 @@ either the stage gathers (never behind a batch: `prefill_stages`) or the prefill
 (`prefill_plan`) with its dump snapshots. When the answer comes back
 it moves each prompt on: a prompt whose last chunk ran goes into the prefix cache and
 publishes its ticket (its handler returns it); a freed ticket's cache goes back through
-the cache manager's `release`.
-
-A failed batch fails only the prompts it must: one that failed its checks (bad input, a
-slot in the wrong state) changed nothing but restored slots, which a rerun restores again,
-so each of its prompts runs its next chunk alone and only the culprit fails. Any other
-failure may have left states half-advanced (or the rank group is gone): all of it fails.
+the cache manager's `release` (`prefill_answers`).
 """
 
 from __future__ import annotations
@@ -26,27 +21,24 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 from transfer.cache.extents import count_runs
-from transfer.control.errors import ControlError
 from transfer.control.metrics import WorkerMetrics
 from transfer.control.types import FreeReason, PrefillRequest, Ticket
 from transfer.errors import (
     Cancelled,
     Closed,
     DeadlineExceeded,
-    InvalidInput,
     PdxferError,
-    WrongState,
 )
 from transfer.serving.engine.cache_manager import PROMPT_WAIT_S, CacheManager
 from transfer.serving.engine.instance import Instance
+from transfer.serving.engine.prefill_answers import PrefillAnswers
 from transfer.serving.engine.prefill_plan import check_budget, chunk_of, plan_batch
 from transfer.serving.engine.prefill_stages import StageQueue
-from transfer.serving.engine.prefill_tickets import PrefillTickets, same_ticket
+from transfer.serving.engine.prefill_tickets import PrefillTickets
 from transfer.serving.engine.request import PrefillPhase, Prompt
-from transfer.serving.engine.step import Answer, EngineStep, SentStep, StepPlan
-from transfer.serving.ranks.commands import PrefillBatch, Snapshot, TokenPick
+from transfer.serving.engine.step import EngineStep, SentStep, StepPlan
+from transfer.serving.ranks.commands import PrefillBatch, Snapshot
 from transfer.serving.ranks.progress import TransferMode
-from transfer.serving.ranks.rank_protocol import same_on_every_rank
 from transfer.serving.ranks.spec import Copies
 from transfer.serving.role import ServeRole
 
@@ -75,6 +67,7 @@ class PrefillEngine:
         self.tickets = PrefillTickets(
             instance, instance_id, address, lease_s, self._on_free, metrics
         )
+        self.answers = PrefillAnswers(self)
         self.store = self.tickets.store
         self.cache = CacheManager(instance, wait_s=PROMPT_WAIT_S)
         self.layerwise = instance.config.transfer_mode is TransferMode.LAYERWISE
@@ -135,7 +128,7 @@ class PrefillEngine:
         if reason is not FreeReason.RELEASED:
             logger.info("request %r freed: %s", ticket.request_id, reason.value)
         with contextlib.suppress(Closed):
-            self.call_soon(lambda: self._ticket_freed(ticket))
+            self.call_soon(lambda: self.answers.ticket_freed(ticket))
 
     @property
     def num_running(self) -> int:
@@ -217,7 +210,7 @@ class PrefillEngine:
         if self.metrics is not None:
             self.metrics.record_block_runs(count_runs(prompt.blocks))
         if self.layerwise:
-            self._publish_early(prompt)
+            self.answers.publish_early(prompt)
 
     def _build_step(self) -> StepPlan:
         plan = StepPlan(self.steps)
@@ -241,13 +234,13 @@ class PrefillEngine:
             )
             for prompt, _ in batch:
                 prompt.phase = PrefillPhase.PREFILLING
-            plan.add(PrefillBatch(chunks), lambda a: self._on_picks(batch, saves, a))
+            plan.add(PrefillBatch(chunks), lambda a: self.answers.on_picks(batch, saves, a))
             if self.instance.config.dump_dir:  # in the same step: before any free can come
                 for prompt, n in batch:
                     if prompt.done + n == prompt.num_tokens:
                         snapshot = Snapshot(prompt.request_id, ServeRole.PREFILL, prompt.blocks,
                                             prompt.slot, prompt.num_tokens)  # fmt: skip
-                        plan.add(snapshot, lambda a, p=prompt: self._on_snapshot(p, a))
+                        plan.add(snapshot, lambda a, p=prompt: self.answers.on_snapshot(p, a))
         return plan
 
     def _run(self, plan: StepPlan) -> None:
@@ -271,109 +264,11 @@ class PrefillEngine:
         slot = self.instance.prefix.reserve_checkpoint(block_hash)
         return None if slot is None else (block_hash, slot)
 
-    # -- answers --------------------------------------------------------------------------
-
-    def _on_picks(self, batch: list[tuple[Prompt, int]], saves: list, answer: Answer) -> None:
-        prefix = self.instance.prefix
-        if not isinstance(answer, BaseException):
-            try:
-                answer = same_on_every_rank(answer, "prefill step")
-            except PdxferError as exc:
-                answer = exc
-        if isinstance(answer, BaseException):
-            for save in filter(None, saves):
-                prefix.cancel_checkpoint(save[1])
-            if len(batch) > 1 and isinstance(answer, (InvalidInput, WrongState)):
-                logger.warning("prefill batch of %d failed (%s); running each alone",
-                               len(batch), answer)  # fmt: skip
-                for prompt, _ in batch:
-                    prompt.alone = True
-                return
-            for prompt, _ in batch:
-                self.fail(prompt, answer)
-            return
-        for save in filter(None, saves):
-            prefix.commit_checkpoint(*save)
-        for (prompt, n), pick in zip(batch, answer, strict=True):
-            prompt.done += n
-            prompt.alone = False
-            if prompt.restore_from >= 0 or prompt.copy_block >= 0:
-                prompt.restore_from = prompt.copy_block = -1
-                self.cache.let_go(prompt)  # the first chunk copied what the hit pinned
-            if prompt.done == prompt.num_tokens:
-                self._prefilled(prompt, pick)
-
-    def _prefilled(self, prompt: Prompt, pick: TokenPick) -> None:
-        """Its last chunk ran: the prefix cache takes its blocks; then its ticket is
-        published (with --dump-dir once its snapshot, later in the same step, is answered)."""
-        self.running.remove(prompt)
-        prefix = self.instance.prefix
-        self.cache.let_go(prompt)
-        if prefix is not None:
-            prefix.insert_prompt(prompt.unit_hashes, prompt.blocks,
-                                 prompt.cached_tokens // prefix.unit)  # fmt: skip
-            if self.metrics is not None:
-                self.metrics.record_prefix(prefix.counts())
-        prompt.first = pick
-        if not self.instance.config.dump_dir:
-            self._publish(prompt)
-
-    def _on_snapshot(self, prompt: Prompt, answer: Answer) -> None:
-        if prompt.first is None or prompt.phase is not PrefillPhase.PREFILLING:
-            return  # its last chunk failed (or it ended): nothing to publish
-        if isinstance(answer, BaseException):
-            self.fail(prompt, answer)
-        else:
-            self._publish(prompt)
-
-    def _publish(self, prompt: Prompt) -> None:
-        try:
-            self.tickets.publish(prompt)
-        except PdxferError as exc:
-            self.fail(prompt, exc)
-
-    def _publish_early(self, prompt: Prompt) -> None:
-        """Layer-wise streaming: the ticket now, the prompt in the next steps. A failed
-        prefill aborts the ticket, so its decode's next heartbeat fails."""
-        try:
-            self.tickets.publish_early(prompt)
-        except PdxferError as exc:
-            self.fail(prompt, exc)
-
-    # -- the end of a prompt --------------------------------------------------------------
-
-    def _ticket_freed(self, ticket: Ticket) -> None:
-        prompt = self.holding.get(ticket.request_id)
-        if prompt is None or not same_ticket(prompt.ticket, ticket):  # released already
-            logger.debug("freed ticket %r holds no cache here", ticket.request_id)
-            return
-        self._release(prompt)
+    # -- the end of a prompt ------------------------------------------------------------
 
     def fail(self, prompt: Prompt, error: BaseException) -> None:
-        """End `prompt` with `error`: a published (streamed) one by aborting its ticket,
-        whose free gives the cache back; any other by telling its caller and releasing."""
-        # While it holds its id, a live ticket under the id is its own.
-        if self.tickets.is_live(prompt):
-            if not isinstance(error, Cancelled):
-                logger.warning("streamed prefill of %r failed: %s", prompt.request_id, error)
-            self._stop(prompt)
-            with contextlib.suppress(ControlError, PdxferError):
-                self.store.abort(prompt.request_id, f"prefill failed: {error}")
-            return
-        if prompt.ticket is None:
-            prompt.out.put(error)
-        self._release(prompt)
-
-    def _stop(self, prompt: Prompt) -> None:
-        for line in (self.queued, self.running):
-            if prompt in line:
-                line.remove(prompt)
-
-    def _release(self, prompt: Prompt) -> None:
-        self._stop(prompt)
-        if self.holding.get(prompt.request_id) is prompt:
-            del self.holding[prompt.request_id]
-        self.cache.release(prompt)
+        """End `prompt` with `error` (`PrefillAnswers.fail`)."""
+        self.answers.fail(prompt, error)
 
     # -- shutting down --------------------------------------------------------------------
 

@@ -76,6 +76,10 @@ class Request:
     last_token: int = -1  # the last pick delivered
     scheduled: int = 0  # decode steps sent to the ranks
     delivered: int = 0  # of those, steps whose pick came back
+    # Its steps sent before this count went up are void: they fail at the ranks for want
+    # of a pick, or their answers are ignored (`decode_batches`).
+    resends: int = 0
+    alone: bool = False  # a batch holding it failed its checks: its next steps run alone
     error: BaseException | None = None
     transfer_failure: str = ""  # why its transfer failed (the error says once it settled)
     waiting_on: int = 0  # its calls out (a plan, a peer call) whose answers must come first
