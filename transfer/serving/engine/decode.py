@@ -25,7 +25,7 @@ from transfer.serving.engine.request import END
 logger = logging.getLogger(__name__)
 
 # `peer` waits this long for the engine's handshake: its Handshake call has a deadline of its
-# own (decode_setup.HANDSHAKE_TIMEOUT_S); this bounds the AddPeers after it as well.
+# own (decode_handshakes.HANDSHAKE_TIMEOUT_S); this bounds the AddPeers after it as well.
 PEER_WAIT_S = 120.0
 RELEASE_WAIT_S = 60.0  # a leaving consumer waits this long for its cache to go back
 
@@ -89,9 +89,9 @@ class DecodeWorker:
         self._prewarm(addresses)
 
     def _prewarm(self, addresses: Iterable[str]) -> None:
-        setup = self.engine.setup
+        handshakes = self.engine.setup.handshakes
         for address in addresses:
-            self.engine.call_soon(lambda a=address: setup.prewarm(a))
+            self.engine.call_soon(lambda a=address: handshakes.prewarm(a))
 
     def peer(self, address: str, instance_id: str = "") -> Peer:
         """The handshaken prefill instance at `address`, waiting for the engine's handshake
@@ -101,8 +101,8 @@ class DecodeWorker:
         peer = self.peers.get(address, instance_id)
         if peer is not None:
             return peer
-        setup, done = self.engine.setup, Future()
-        self.engine.call_soon(lambda: setup.when_handshaken(address, instance_id, done))
+        handshakes, done = self.engine.setup.handshakes, Future()
+        self.engine.call_soon(lambda: handshakes.when_handshaken(address, instance_id, done))
         try:
             return done.result(PEER_WAIT_S)
         except FutureTimeout:

@@ -1,8 +1,8 @@
-"""What a decode request goes through before it runs, on the engine thread: handshake with
-its prefill instance (once per instance), Acquire its ticket, room in the cache, its READs
-planned (a whole transfer plans and stages off the engine thread; a stream plans as the
-prefill publishes progress), the transfer started and, once DONE, its ticket Released and
-token 0 sent. Every call to a prefill instance goes through PeerClient: its answer comes back
+"""What a decode request goes through before it runs, on the engine thread: its prefill
+instance handshaken (once per instance; decode_handshakes), its ticket Acquired, room in the
+cache, its READs planned (a whole transfer plans and stages off the engine thread; a stream
+plans as the prefill publishes progress), the transfer started and, once DONE, its ticket
+Released and token 0 sent. Every call to a prefill instance goes through PeerClient: its answer comes back
 as an event (`on_event`), never blocking the loop.
 
 A whole transfer that reads directly does not wait for its Acquire: it is admitted, planned
@@ -16,24 +16,23 @@ any READ, to the Release, after the last. A transfer that would stage waits for 
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
-from transfer.cache.layout import Layout
-from transfer.control.client import ClientOptions, TransferClient
+from transfer.control.client import ClientOptions
 from transfer.control.errors import NotPermitted, TicketStateError
 from transfer.control.peer_client import PeerEvent, PeerOp
 from transfer.control.types import Ticket, TokenEvent
-from transfer.errors import InvalidInput, PdxferError, PeerUnavailable
+from transfer.errors import InvalidInput, PdxferError
+from transfer.serving.engine.decode_handshakes import Handshakes
 from transfer.serving.engine.peers import Peer, PeerTable, unreachable
 from transfer.serving.engine.reads import may_stage, plan_reads, transfer_request
 from transfer.serving.engine.request import DecodePhase, Request
 from transfer.serving.engine.stream import StreamPlanner, progress_entries
 from transfer.serving.engine.transfers import STREAM_HEARTBEAT_S, Outcome, Transfer
-from transfer.serving.ranks.commands import AddPeers, Snapshot, StreamSource
+from transfer.serving.ranks.commands import Snapshot, StreamSource
 from transfer.serving.ranks.progress import TransferMode
 from transfer.serving.ranks.spec import RankReads
 from transfer.serving.role import ServeRole
@@ -43,8 +42,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-HANDSHAKE_TIMEOUT_S = 10.0  # the Handshake call's own deadline (AddPeers follows it)
-
 
 class DecodeSetup:
     def __init__(self, engine: DecodeEngine, options: ClientOptions, known_prefill=()) -> None:
@@ -52,15 +49,14 @@ class DecodeSetup:
         self.instance = engine.instance
         self.options = options
         self.peers = PeerTable(known_prefill)
-        self._handshaking: dict[str, list[Request]] = {}  # address -> requests waiting on it
-        self._waiters: dict[str, list[Future]] = {}  # address -> callers of `when_handshaken`
+        self.handshakes = Handshakes(self)
 
     @staticmethod
     def busy(request: Request) -> bool:
         """Whether an answer for `request` must come back before it may end."""
         return request.waiting_on > 0
 
-    # -- handshake and acquire ------------------------------------------------------------
+    # -- acquire --------------------------------------------------------------------------
 
     def start(self, request: Request) -> None:
         ticket = request.decode.ticket
@@ -72,80 +68,13 @@ class DecodeSetup:
             self.engine.finish(request, exc)
             return
         peer = self.peers.get(ticket.address, ticket.instance_id)
-        if peer is not None:
-            self._acquire(request, peer)
-            return
-        self._handshake(ticket.address)
-        self._handshaking[ticket.address].append(request)
+        if peer is None:
+            self.handshakes.acquire_when_handshaken(request, ticket.address)
+        else:
+            self.acquire(request, peer)
 
-    def prewarm(self, address: str) -> None:
-        """Handshake with a prefill instance before its first ticket, so that no request's
-        exposed transfer pays for connecting. A failure is only logged: the first request
-        handshakes again."""
-        if self.peers.get(address) is None:
-            self._handshake(address)
-
-    def when_handshaken(self, address: str, instance_id: str, done: Future) -> None:
-        """Resolve `done` with the peer at `address` once handshaken (now, if it is), or
-        with the handshake's error. A handshake in flight is joined, never doubled: two
-        AddPeers for one peer could leave a warm-up READ queued behind a caller that has
-        already moved on (test_bug14 stops the prefill rank right after)."""
-        peer = self.peers.get(address, instance_id)
-        if peer is not None:
-            done.set_result(peer)
-            return
-        self._handshake(address)
-        self._waiters.setdefault(address, []).append(done)
-
-    def _handshake(self, address: str) -> None:
-        """Start a handshake with `address` unless one is in flight."""
-        if address in self._handshaking:
-            return
-        self._handshaking[address] = []
-        self.engine.peer_client.handshake(address, self.engine.instance_id, self.instance.compat,
-                                          tag=address, timeout_s=HANDSHAKE_TIMEOUT_S)  # fmt: skip
-
-    def _handshaken(self, event: PeerEvent) -> None:
-        address = event.address
-        if not event.ok:
-            self._handshake_failed(address, event.error)
-            return
-        reply = event.result
-        layouts = tuple(Layout.from_dict(json.loads(b)) for b in reply.rank_layouts)
-        staging = tuple(layout.staging_offset for layout in layouts)
-        command = AddPeers(reply.instance_id, tuple(reply.rank_metadata), staging)
-
-        def added(answer) -> None:
-            if isinstance(answer, BaseException):
-                self._handshake_failed(
-                    address, PeerUnavailable(f"connecting to {address}: {answer}")
-                )
-                return
-            client = TransferClient(address, token=self.options.token, tls=self.options.tls,
-                                    timeout_s=self.options.timeout_s)  # fmt: skip
-            peer = Peer(reply.instance_id, address, layouts, client)
-            self.peers.add(peer)
-            logger.info("handshake with %s (%s): tp %d", reply.instance_id, address, len(layouts))
-            for waiter in self._waiters.pop(address, []):
-                waiter.set_result(peer)
-            for request in self._handshaking.pop(address, []):
-                if not self.engine.is_ending(request):
-                    self._acquire(request, peer)
-
-        self.engine.add_command(command, added)
-
-    def _handshake_failed(self, address: str, error: BaseException) -> None:
-        waiting = self._handshaking.pop(address, [])
-        waiters = self._waiters.pop(address, [])
-        if not waiting and not waiters:
-            logger.info("handshake with %s: %s (the first request tries again)", address, error)
-        for waiter in waiters:
-            waiter.set_exception(error)
-        for request in waiting:
-            if not self.engine.is_ending(request):
-                self.engine.finish(request, error)
-
-    def _acquire(self, request: Request, peer: Peer) -> None:
+    def acquire(self, request: Request, peer: Peer) -> None:
+        """Acquire its ticket from the handshaken `peer`."""
         request.peer = peer
         request.waiting_on += 1
         self.engine.peer_client.acquire(peer.address, request.request_id, tag=request)
@@ -340,7 +269,7 @@ class DecodeSetup:
     def on_event(self, event: PeerEvent) -> None:
         request = event.tag
         if event.op is PeerOp.HANDSHAKE:
-            self._handshaken(event)
+            self.handshakes.handshaken(event)
         elif event.op is PeerOp.ACQUIRE:
             self._acquired(request, event)
         elif event.op is PeerOp.RELEASE:
