@@ -1,9 +1,9 @@
 """What a decode request goes through before it runs, on the engine thread: its prefill
 instance handshaken (once per instance; decode_handshakes), its ticket Acquired, room in the
-cache, its READs planned (a whole transfer plans and stages off the engine thread; a stream
-plans as the prefill publishes progress), the transfer started and, once DONE, its ticket
-Released and token 0 sent. Every call to a prefill instance goes through PeerClient: its answer comes back
-as an event (`on_event`), never blocking the loop.
+cache, its READs planned (direct READs on the engine thread; a staged transfer plans and
+stages off it; a stream plans as the prefill publishes progress), the transfer started and,
+once DONE, its ticket Released and token 0 sent. Every call to a prefill instance goes
+through PeerClient: its answer comes back as an event (`on_event`), never blocking the loop.
 
 A whole transfer that reads directly does not wait for its Acquire: it is admitted, planned
 and started from the ticket the router passed, while the Acquire is out, and counts as DONE
@@ -28,7 +28,7 @@ from transfer.control.types import Ticket, TokenEvent
 from transfer.errors import InvalidInput, PdxferError
 from transfer.serving.engine.decode_handshakes import Handshakes
 from transfer.serving.engine.peers import Peer, PeerTable, unreachable
-from transfer.serving.engine.reads import may_stage, plan_reads, transfer_request
+from transfer.serving.engine.reads import Reads, may_stage, plan_reads, transfer_request
 from transfer.serving.engine.request import DecodePhase, Request
 from transfer.serving.engine.stream import StreamPlanner, progress_entries
 from transfer.serving.engine.transfers import STREAM_HEARTBEAT_S, Outcome, Transfer
@@ -145,21 +145,36 @@ class DecodeSetup:
             self._start_transfer(request, Transfer(peer, no_reads, new_blocks, planner=planner,
                                                    source=source))  # fmt: skip
             return
+        config = instance.config
+        if not request.acquired:
+            # Direct READs only (a Stage must wait for the Acquire): pure CPU, planned on
+            # this thread, where a planner thread would only contend with it for the GIL.
+            try:
+                reads = plan_reads(peer.layouts, instance.layouts, treq, reused_tokens=reused)
+            except Exception as exc:  # noqa: BLE001 - layouts the packer cannot pair
+                self.engine.finish(request, exc)
+                return
+            if may_stage(peer.layouts, instance.layouts, reads, instance.staging,
+                         config.staging_min_packed):  # fmt: skip
+                request.plan_after_acquire = True
+            else:
+                self._start_reads(request, reads, new_blocks)
+            return
         request.waiting_on += 1
-        config, early = instance.config, not request.acquired
-
-        def plan():
-            reads = plan_reads(
-                peer.layouts, instance.layouts, treq, request_id=ticket.request_id,
-                holder=self.engine.instance_id, stager=None if early else peer.client,
-                pool=instance.staging, min_small_ranges=config.staging_min_ranges,
-                min_packed=config.staging_min_packed, reused_tokens=reused,
+        future = self.engine.plan_off_thread(
+            lambda: plan_reads(
+                peer.layouts,
+                instance.layouts,
+                treq,
+                request_id=ticket.request_id,
+                holder=self.engine.instance_id,
+                stager=peer.client,
+                pool=instance.staging,
+                min_small_ranges=config.staging_min_ranges,
+                min_packed=config.staging_min_packed,
+                reused_tokens=reused,
             )  # fmt: skip
-            staged = may_stage(peer.layouts, instance.layouts, reads, instance.staging,
-                               config.staging_min_packed)  # fmt: skip
-            return None if early and staged else reads  # None: plan again once acquired
-
-        future = self.engine.plan_off_thread(plan)
+        )
         future.add_done_callback(
             lambda f: self.engine.call_soon_quietly(lambda: self._planned(request, f, new_blocks))
         )
@@ -173,12 +188,9 @@ class DecodeSetup:
             return
         if self.engine.is_ending(request) or request.cancelled:
             return  # `_advance` ends a cancelled one; its staging goes with its cache
-        if reads is None:  # it would stage, and a Stage must wait for the Acquire
-            if request.acquired:
-                self._plan(request)
-            else:
-                request.plan_after_acquire = True
-            return
+        self._start_reads(request, reads, blocks)
+
+    def _start_reads(self, request: Request, reads: Reads, blocks: tuple[int, ...]) -> None:
         ticket = request.ticket
         transfer = Transfer(request.peer, reads.per_rank, blocks, reads.kv_bytes,
                             reads.state_bytes, reads.descriptors, ticket.first_token,
