@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import pytest
 
-from tests.support.worker_sides import one_thread, prompt, start_decode, start_prefill  # noqa: F401
+from tests.support.worker_sides import one_thread, prompt, running_pair  # noqa: F401
 from transfer.control.types import DecodeRequest, PrefillRequest, SamplingParams
 from transfer.errors import InvalidInput
 from transfer.model.reference import reference_generate
@@ -37,11 +37,8 @@ def config(role: str) -> InstanceConfig:
 
 @pytest.fixture(scope="module")
 def pair():
-    prefill = start_prefill(config("prefill"), "prefill-failures")
-    decode = start_decode(config("decode"), "decode-failures", [prefill])
-    yield prefill, decode
-    decode.close()
-    prefill.close()
+    with running_pair(config, "failures") as sides:
+        yield sides
 
 
 # Every decode step of the bad request names no blocks: the ranks' checks refuse it

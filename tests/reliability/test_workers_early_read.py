@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.support.worker_sides import Side, one_thread, prompt, start_decode, start_prefill  # noqa: F401
+from tests.support.worker_sides import Side, one_thread, prompt, running_pair  # noqa: F401
 from transfer.control.errors import TicketStateError
 from transfer.control.types import DecodeRequest, PrefillRequest
 from transfer.model.reference import reference_generate
@@ -32,11 +32,8 @@ def config(role: str) -> InstanceConfig:
 
 @pytest.fixture(scope="module")
 def pair():
-    prefill = start_prefill(config("prefill"), "prefill-early")
-    decode = start_decode(config("decode"), "decode-early", [prefill])
-    yield prefill, decode
-    decode.close()
-    prefill.close()
+    with running_pair(config, "early") as sides:
+        yield sides
 
 
 def assert_idle(prefill: Side, decode: Side) -> None:

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.support.worker_sides import one_thread, prompt, start_decode, start_prefill  # noqa: F401
+from tests.support.worker_sides import one_thread, prompt, running_pair  # noqa: F401
 from transfer.control.client import DecodeClient
 from transfer.control.errors import ControlError
 from transfer.control.types import DecodeRequest, PrefillRequest
@@ -36,11 +36,8 @@ def config(role: str) -> InstanceConfig:
 
 @pytest.fixture(scope="module")
 def pair():
-    prefill = start_prefill(config("prefill"), "prefill-engine")
-    decode = start_decode(config("decode"), "decode-engine", [prefill])
-    yield prefill, decode
-    decode.close()
-    prefill.close()
+    with running_pair(config, "engine") as sides:
+        yield sides
 
 
 def start_together(engine, names) -> None:

@@ -3,6 +3,8 @@ processes): the instance, its worker, the gRPC server in front and its address."
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import pytest
@@ -72,3 +74,18 @@ def start_decode(config: InstanceConfig, name: str, prefills: list[Side]) -> Sid
         register_prefill=worker.register_prefill,
     )
     return Side(instance, worker, server, address)
+
+
+@contextlib.contextmanager
+def running_pair(config: Callable[[str], InstanceConfig], name: str) -> Iterator[tuple[Side, Side]]:
+    """A prefill instance and a decode instance that reads from it, each configured by
+    `config(role)`, until the block ends."""
+    prefill = start_prefill(config("prefill"), f"prefill-{name}")
+    try:
+        decode = start_decode(config("decode"), f"decode-{name}", [prefill])
+        try:
+            yield prefill, decode
+        finally:
+            decode.close()
+    finally:
+        prefill.close()

@@ -26,11 +26,11 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 from transfer.control.types import TokenEvent
-from transfer.errors import InvalidInput, PdxferError, WrongState
+from transfer.errors import InvalidInput, WrongState
 from transfer.serving.engine.request import Request
-from transfer.serving.engine.step import Answer, StepPlan
+from transfer.serving.engine.step import Answer, StepPlan, agreed
 from transfer.serving.ranks.commands import DecodeBatch, DecodeStep, TokenPick
-from transfer.serving.ranks.rank_protocol import RankCommandError, same_on_every_rank
+from transfer.serving.ranks.rank_protocol import RankCommandError
 
 if TYPE_CHECKING:
     from transfer.serving.engine.decode_engine import DecodeEngine
@@ -85,11 +85,7 @@ class DecodeBatches:
     def on_picks(self, sent: SentBatch, answer: Answer, plan: StepPlan, first: bool) -> None:
         """`sent`'s answer; `first`: the step's first decode batch (it records the step)."""
         self._in_flight.remove(sent)
-        if not isinstance(answer, BaseException):
-            try:
-                answer = same_on_every_rank(answer, "decode step")
-            except PdxferError as exc:
-                answer = exc
+        answer = agreed(answer, "decode step")
         if isinstance(answer, BaseException):
             self._failed(sent, answer)
             return

@@ -20,9 +20,8 @@ from transfer.control.types import Ticket
 from transfer.errors import Cancelled, InvalidInput, PdxferError, WrongState
 from transfer.serving.engine.prefill_tickets import same_ticket
 from transfer.serving.engine.request import PrefillPhase, Prompt
-from transfer.serving.engine.step import Answer
+from transfer.serving.engine.step import Answer, agreed
 from transfer.serving.ranks.commands import TokenPick
-from transfer.serving.ranks.rank_protocol import same_on_every_rank
 
 if TYPE_CHECKING:
     from transfer.serving.engine.prefill_engine import PrefillEngine
@@ -40,11 +39,7 @@ class PrefillAnswers:
         """The prefill batch's answer; `saves`: each chunk's (unit hash, checkpoint slot)
         or None."""
         prefix = self.engine.instance.prefix
-        if not isinstance(answer, BaseException):
-            try:
-                answer = same_on_every_rank(answer, "prefill step")
-            except PdxferError as exc:
-                answer = exc
+        answer = agreed(answer, "prefill step")
         if isinstance(answer, BaseException):
             for save in filter(None, saves):
                 prefix.cancel_checkpoint(save[1])

@@ -2,10 +2,9 @@
 phase to the next; a gRPC handler only submits the request and drains `out`.
 
 Decode:  ACQUIRING -> ACQUIRED -> TRANSFERRING -> RUNNING -> DONE
-             |           |          ^   |             |
-             +-----------|----------+   |             |  (a direct READ does not wait for the
-                         |              |             |   Acquire; DONE needs it: `acquired`)
-                         +--------------+-------------+--> HELD (a READ may still land) -> DONE
+         ACQUIRING -> TRANSFERRING: a direct READ starts before its Acquire answers (its
+                      transfer counts as done only once `acquired`)
+         ACQUIRED, TRANSFERRING or RUNNING -> HELD (a READ may still land) -> DONE
 Prefill: QUEUED -> ALLOCATED -> PREFILLING -> PUBLISHED -> DONE (`Prompt`); any phase may end
 in DONE on a failure. Layer-wise streaming publishes its ticket at ALLOCATED, before the
 prompt has run (the handler gets the ticket then), and reaches PUBLISHED once it has.

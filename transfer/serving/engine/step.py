@@ -14,7 +14,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from transfer.serving.ranks.rank_protocol import RankCommand, RankFailure, command_error
+from transfer.errors import PdxferError
+from transfer.serving.ranks.rank_protocol import (
+    RankCommand,
+    RankFailure,
+    command_error,
+    same_on_every_rank,
+)
 from transfer.serving.ranks.ranks import Pending
 
 logger = logging.getLogger(__name__)
@@ -51,6 +57,17 @@ def split_answers(commands: tuple[RankCommand, ...], per_rank: list[tuple]) -> l
         failures = [r for r in results if isinstance(r, RankFailure)]
         answers.append(command_error(type(command).__name__, failures) if failures else results)
     return answers
+
+
+def agreed(answer: Answer, what: str) -> Any:
+    """A batch command's answer as one result (the ranks broadcast rank 0's picks), or
+    the error: the command's own, or PdxferError when the ranks disagree."""
+    if isinstance(answer, BaseException):
+        return answer
+    try:
+        return same_on_every_rank(answer, what)
+    except PdxferError as exc:
+        return exc
 
 
 @dataclass
