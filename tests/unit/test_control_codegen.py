@@ -46,7 +46,17 @@ def test_committed_code_matches_protos():
 
 @pytest.fixture
 def gen_copy(tmp_path):
+    """Code from this environment's protoc: the check compares it byte for byte (the
+    committed code may come from another grpcio-tools, which the check compares by
+    payload, `test_another_generator_is_compared_by_descriptor_and_methods`)."""
     copy = tmp_path / "gen"
+    codegen.generate(copy)
+    return copy
+
+
+@pytest.fixture
+def committed_copy(tmp_path):
+    copy = tmp_path / "committed"
     shutil.copytree(codegen.GEN_DIR, copy, ignore=shutil.ignore_patterns("__pycache__"))
     return copy
 
@@ -101,3 +111,20 @@ def test_control_layering(path):
         assert not [m for m in imports if m.startswith("transfer.control.gen")], (
             f"{path.name} imports generated code"
         )
+
+
+def test_another_generator_is_compared_by_descriptor_and_methods(committed_copy):
+    """Code from another grpcio-tools release (its version stamps differ) passes while it
+    says what the .proto files say, and fails once a method path differs."""
+    path = committed_copy / "worker_pb2_grpc.py"
+    text = path.read_text()
+    stamped = text.replace("GRPC_GENERATED_VERSION = '", "GRPC_GENERATED_VERSION = '0.")
+    assert stamped != text
+    path.write_text(stamped)
+    assert codegen.check(committed_copy) == []
+    path.write_text(
+        stamped.replace("/pdxfer.v1.DecodeService/Decode", "/pdxfer.v1.DecodeService/Decod")
+    )
+    assert codegen.check(committed_copy) == [
+        "worker_pb2_grpc.py: descriptor or service methods differ from the .proto files"
+    ]
