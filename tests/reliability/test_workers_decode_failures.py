@@ -17,7 +17,6 @@ from transfer.control.types import DecodeRequest, PrefillRequest, SamplingParams
 from transfer.errors import InvalidInput
 from transfer.model.reference import reference_generate
 from transfer.presets import get_preset
-from transfer.serving.engine.instance import InstanceConfig
 from transfer.serving.engine.step import EngineStep
 from transfer.serving.ranks.commands import DecodeBatch
 from transfer.serving.ranks.rank_protocol import RankCommandError
@@ -31,13 +30,9 @@ GOOD = ("good-a", "good-b")
 BAD = "bad"
 
 
-def config(role: str) -> InstanceConfig:
-    return InstanceConfig(role, get_preset(MODEL), budget_bytes=16 << 20, max_seqs=4)
-
-
 @pytest.fixture(scope="module")
 def pair():
-    with running_pair(config, "failures") as sides:
+    with running_pair(MODEL, "failures", max_seqs=4) as sides:
         yield sides
 
 

@@ -16,7 +16,6 @@ from transfer.control.errors import TicketStateError
 from transfer.control.types import DecodeRequest, PrefillRequest
 from transfer.model.reference import reference_generate
 from transfer.presets import get_preset
-from transfer.serving.engine.instance import InstanceConfig
 from transfer.serving.ranks.commands import TransferPoll, TransferState
 
 pytestmark = pytest.mark.slow
@@ -26,13 +25,9 @@ MAX_TOKENS = 4
 WAIT_S = 30.0
 
 
-def config(role: str) -> InstanceConfig:
-    return InstanceConfig(role, get_preset(MODEL), tp=1, budget_bytes=16 << 20, max_seqs=2)
-
-
 @pytest.fixture(scope="module")
 def pair():
-    with running_pair(config, "early") as sides:
+    with running_pair(MODEL, "early", tp=1, max_seqs=2) as sides:
         yield sides
 
 

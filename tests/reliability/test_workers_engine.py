@@ -16,7 +16,6 @@ from transfer.control.errors import ControlError
 from transfer.control.types import DecodeRequest, PrefillRequest
 from transfer.model.reference import reference_generate
 from transfer.presets import get_preset
-from transfer.serving.engine.instance import InstanceConfig
 from transfer.serving.engine.request import DecodePhase
 from transfer.serving.engine.step import StepPlan
 from transfer.serving.engine.step_pipeline import StepPipeline
@@ -30,13 +29,9 @@ TIMEOUT_S = 30.0
 NAMES = ("a", "b", "c")
 
 
-def config(role: str) -> InstanceConfig:
-    return InstanceConfig(role, get_preset(MODEL), budget_bytes=16 << 20, max_seqs=4)
-
-
 @pytest.fixture(scope="module")
 def pair():
-    with running_pair(config, "engine") as sides:
+    with running_pair(MODEL, "engine", max_seqs=4) as sides:
         yield sides
 
 

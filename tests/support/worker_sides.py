@@ -4,7 +4,7 @@ processes): the instance, its worker, the gRPC server in front and its address."
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
@@ -14,6 +14,7 @@ from tests.support.ucx_env import pristine_ucx_env
 from transfer.control.client import ClientOptions
 from transfer.control.server import serve
 from transfer.net import free_port
+from transfer.presets import get_preset
 from transfer.serving.engine.decode import DecodeWorker
 from transfer.serving.engine.instance import Instance, InstanceConfig
 from transfer.serving.engine.prefill import PrefillWorker
@@ -77,9 +78,14 @@ def start_decode(config: InstanceConfig, name: str, prefills: list[Side]) -> Sid
 
 
 @contextlib.contextmanager
-def running_pair(config: Callable[[str], InstanceConfig], name: str) -> Iterator[tuple[Side, Side]]:
-    """A prefill instance and a decode instance that reads from it, each configured by
-    `config(role)`, until the block ends."""
+def running_pair(model: str, name: str, **fields) -> Iterator[tuple[Side, Side]]:
+    """A prefill instance and a decode instance that reads from it, of `model` (a preset),
+    16 MiB of cache each and `fields` of `InstanceConfig` (serve's defaults otherwise),
+    until the block ends."""
+
+    def config(role: str) -> InstanceConfig:
+        return InstanceConfig(role, get_preset(model), budget_bytes=16 << 20, **fields)
+
     prefill = start_prefill(config("prefill"), f"prefill-{name}")
     try:
         decode = start_decode(config("decode"), f"decode-{name}", [prefill])

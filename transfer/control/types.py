@@ -76,6 +76,13 @@ class Ticket:
     block_hashes: tuple[bytes, ...] = ()  # chained hash of each full prompt block
     stream_key: int = 0  # non-zero: published before prefill ran (docs/streaming.md)
 
+    def same_publish(self, other: Ticket) -> bool:
+        """Whether `other` is this publish (a renewed lease changes only its deadline): a
+        freed ticket never returns under its abort key."""
+        mine = (self.request_id, self.abort_key, self.block_ids, self.slot_id, self.num_tokens)
+        return mine == (other.request_id, other.abort_key, other.block_ids, other.slot_id,
+                        other.num_tokens)  # fmt: skip
+
 
 @dataclass(frozen=True)
 class HandshakeRequest:

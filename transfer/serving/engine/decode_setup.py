@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 from transfer.control.client import ClientOptions
 from transfer.control.errors import NotPermitted, TicketStateError
 from transfer.control.peer_client import PeerEvent, PeerOp
-from transfer.control.types import Ticket, TokenEvent
+from transfer.control.types import TokenEvent
 from transfer.errors import InvalidInput, PdxferError
 from transfer.serving.engine.decode_handshakes import Handshakes
 from transfer.serving.engine.peers import Peer, PeerTable, unreachable
@@ -91,7 +91,7 @@ class DecodeSetup:
             return
         ticket, early = event.result, request.ticket
         request.ticket, request.ticket_open = ticket, True
-        if early is not None and not same_publish(early, ticket):
+        if early is not None and not early.same_publish(ticket):
             # Its READs may have begun from the router's copy, whose cache was freed.
             self.engine.finish(request, TicketStateError(
                 f"request {request.request_id!r}: the ticket acquired is not the one passed "
@@ -104,10 +104,9 @@ class DecodeSetup:
         if request.slot < 0:  # not admitted yet (or still waiting for room)
             request.phase = DecodePhase.ACQUIRED
             self.admit(request)
-        elif request.plan_after_acquire:
-            request.plan_after_acquire = False
+        elif request.transfer is None:  # admitted, but it would stage: plan it now
             self._plan(request)
-        elif request.transfer is not None:
+        else:
             self._keep_alive(request)
             if request.transfer.outcome is Outcome.DONE:
                 self.transferred(request)
@@ -154,10 +153,9 @@ class DecodeSetup:
             except Exception as exc:  # noqa: BLE001 - layouts the packer cannot pair
                 self.engine.finish(request, exc)
                 return
-            if may_stage(peer.layouts, instance.layouts, reads, instance.staging,
-                         config.staging_min_packed):  # fmt: skip
-                request.plan_after_acquire = True
-            else:
+            if not may_stage(
+                peer.layouts, instance.layouts, reads, instance.staging, config.staging_min_packed
+            ):  # else planned once acquired
                 self._start_reads(request, reads, new_blocks)
             return
         request.waiting_on += 1
@@ -293,9 +291,3 @@ class DecodeSetup:
                             event.error)  # fmt: skip
         elif event.op is PeerOp.HEARTBEAT and not event.ok:
             self.engine.transfers.heartbeat_failed(request, event.error)
-
-
-def same_publish(passed: Ticket, acquired: Ticket) -> bool:
-    """Whether `acquired` is the publish `passed` came from (its lease may have moved)."""
-    return (passed.abort_key, passed.block_ids, passed.slot_id, passed.num_tokens) == (
-        acquired.abort_key, acquired.block_ids, acquired.slot_id, acquired.num_tokens)  # fmt: skip

@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING
 from transfer.control.errors import ControlError
 from transfer.control.types import Ticket
 from transfer.errors import Cancelled, InvalidInput, PdxferError, WrongState
-from transfer.serving.engine.prefill_tickets import same_ticket
 from transfer.serving.engine.request import PrefillPhase, Prompt
 from transfer.serving.engine.step import Answer, agreed
 from transfer.serving.ranks.commands import TokenPick
@@ -103,7 +102,8 @@ class PrefillAnswers:
 
     def ticket_freed(self, ticket: Ticket) -> None:
         prompt = self.engine.holding.get(ticket.request_id)
-        if prompt is None or not same_ticket(prompt.ticket, ticket):  # released already
+        mine = None if prompt is None else prompt.ticket
+        if mine is None or not mine.same_publish(ticket):  # released already
             logger.debug("freed ticket %r holds no cache here", ticket.request_id)
             return
         self.release(prompt)

@@ -118,14 +118,5 @@ class PrefillTickets:
         return StageGather(placed), staged
 
 
-def same_ticket(mine: Ticket | None, freed: Ticket) -> bool:
-    """Whether `freed` is `mine` (renewed leases change only its deadline)."""
-    return mine is not None and (mine.request_id, mine.abort_key, mine.slot_id) == (
-        freed.request_id,
-        freed.abort_key,
-        freed.slot_id,
-    )
-
-
 def _never() -> bool:
     return False

@@ -63,7 +63,6 @@ class Request:
     ticket: Ticket | None = None  # the router's copy until the Acquire answers, then its answer
     ticket_open: bool = False  # acquired and neither released nor aborted yet
     acquired: bool = False  # the Acquire answered with the ticket its READs use
-    plan_after_acquire: bool = False  # its transfer would stage: planned once acquired
     blocks: tuple[int, ...] = ()
     slot: int = -1
     held_prefix: int = 0  # leading blocks the prefix cache already had
