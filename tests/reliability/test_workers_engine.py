@@ -16,10 +16,11 @@ from transfer.control.errors import ControlError
 from transfer.control.types import DecodeRequest, PrefillRequest
 from transfer.model.reference import reference_generate
 from transfer.presets import get_preset
+from transfer.serving.engine.decode_engine import OVERTAKING
 from transfer.serving.engine.request import DecodePhase
 from transfer.serving.engine.step import StepPlan
 from transfer.serving.engine.step_pipeline import StepPipeline
-from transfer.serving.ranks.commands import DecodeBatch, TransferStart
+from transfer.serving.ranks.commands import DecodeBatch, Release, TransferPoll, TransferStart
 
 pytestmark = pytest.mark.slow
 
@@ -113,13 +114,16 @@ def test_decode_many_streams_come_from_the_engine_a_step_at_a_time(pair):
     wait_slots_free(decode)
 
 
-def record_steps(monkeypatch, decode) -> list[tuple[str, tuple]]:
-    """(sending thread's name, the step's commands) of every step the decode engine sends."""
+def record_steps(monkeypatch, decode) -> list[SimpleNamespace]:
+    """Every step the decode engine sends: the sending thread's name (`thread`), its
+    `commands` and whether it `overtakes`."""
     ranks, steps = decode.instance.ranks, []
     submit = ranks.submit
 
     def recording(command):
-        steps.append((threading.current_thread().name, getattr(command, "commands", (command,))))
+        steps.append(SimpleNamespace(thread=threading.current_thread().name,
+                                     commands=getattr(command, "commands", (command,)),
+                                     overtakes=getattr(command, "overtakes", False)))  # fmt: skip
         return submit(command)
 
     monkeypatch.setattr(ranks, "submit", recording)
@@ -132,12 +136,10 @@ def carries(commands: tuple, kind: type, rid: str | None = None) -> bool:
     return any(isinstance(c, kind) and c.request_id == rid for c in commands)
 
 
-def test_a_new_transfer_holds_the_decode_batch_back_one_step_and_only_the_loop_sends(
-    pair, monkeypatch
-):
-    """Issue 33: the step posting a new request's READs carries no decode batch, so its
-    answer need not wait for a decode step; the running request loses at most that one step.
-    A collector thread waits for the answers; the engine loop alone sends rank commands."""
+def test_a_new_transfer_overtakes_the_decode_steps_and_only_the_loop_sends(pair, monkeypatch):
+    """Issue 33: a new request's TransferStart goes at once, in a step of its own that runs
+    before the decode step waiting at the ranks, and no decode batch is held back for it.
+    Collector threads wait for the answers; the engine loop alone sends rank commands."""
     prefill, decode = pair
     engine, geometry = decode.worker.engine, get_preset(MODEL)
     long_tokens = 40  # decoding all the while the second request's transfer starts
@@ -153,16 +155,61 @@ def test_a_new_transfer_holds_the_decode_batch_back_one_step_and_only_the_loop_s
     tokens["long"] += [e.token for e in running]
     assert tokens["long"] == reference_generate(geometry, ids["long"], long_tokens)
     assert tokens["new"] == reference_generate(geometry, ids["new"], MAX_TOKENS)
-    assert {thread for thread, _ in steps} == {"decode-engine"}
-    (start,) = [i for i, (_, c) in enumerate(steps) if carries(c, TransferStart, "new")]
-    batches = [i for i, (_, c) in enumerate(steps) if carries(c, DecodeBatch)]
+    assert {step.thread for step in steps} == {"decode-engine"}
+    (start,) = [i for i, step in enumerate(steps) if carries(step.commands, TransferStart, "new")]
+    batches = [i for i, step in enumerate(steps) if carries(step.commands, DecodeBatch)]
     assert batches[0] < start < batches[-1], "the long request was not decoding then"
-    assert start not in batches and start + 1 in batches  # held back for exactly one step
-    assert engine.held_back > held_before
-    # While the long request decodes, it is never held back two steps in a row.
-    first, last = batches[0], batches[-1]
-    gaps = [b - a for a, b in zip(batches, batches[1:], strict=False) if first <= a < last]
-    assert max(gaps) <= 2, gaps
+    assert steps[start].overtakes
+    assert all(isinstance(c, OVERTAKING) for c in steps[start].commands)
+    assert engine.held_back == held_before
+    wait_slots_free(decode)
+
+
+def test_a_start_does_not_overtake_the_step_releasing_what_it_may_reuse(pair, monkeypatch):
+    """A request's blocks and slot are back in the pools before its Release runs at the
+    ranks: while that step is unanswered, a new request's start goes in order, behind it.
+    The Release step's answer is held here until the start has been sent."""
+    prefill, decode = pair
+    geometry, ranks = get_preset(MODEL), decode.instance.ranks
+    submit, steps, answer_releases = ranks.submit, [], threading.Event()
+
+    def gated(command):
+        pending, commands = submit(command), getattr(command, "commands", ())
+        steps.append(SimpleNamespace(commands=commands, overtakes=command.overtakes))
+        if not any(isinstance(c, Release) for c in commands):
+            return pending
+
+        def result(timeout_s: float):
+            assert answer_releases.wait(timeout_s), "the test never let a Release answer"
+            return pending.result(timeout_s)
+
+        return SimpleNamespace(result=result)
+
+    def sent_start(rid: str):
+        deadline = time.monotonic() + TIMEOUT_S
+        while True:
+            for step in list(steps):
+                if carries(step.commands, TransferStart, rid):
+                    return step
+            assert time.monotonic() < deadline, f"{rid}'s start was never sent"
+            time.sleep(0.01)
+
+    ids = {"freed": prompt(90), "reuses": prompt(91)}
+    tickets = {name: prefill.worker.prefill(PrefillRequest(name, tuple(p), MAX_TOKENS))
+               for name, p in ids.items()}  # fmt: skip
+    monkeypatch.setattr(ranks, "submit", gated)
+    try:
+        list(decode.worker.decode(DecodeRequest(tickets["freed"], MAX_TOKENS)))
+        assert any(isinstance(c, Release) for step in steps for c in step.commands)
+        tokens: list[int] = []
+        second = threading.Thread(target=lambda: tokens.extend(
+            e.token for e in decode.worker.decode(DecodeRequest(tickets["reuses"], MAX_TOKENS))))  # fmt: skip
+        second.start()
+        assert not sent_start("reuses").overtakes
+    finally:
+        answer_releases.set()
+    second.join(TIMEOUT_S)
+    assert tokens == reference_generate(geometry, ids["reuses"], MAX_TOKENS)
     wait_slots_free(decode)
 
 
@@ -189,5 +236,52 @@ def test_only_the_thread_that_sent_first_may_send():
         thread.join(TIMEOUT_S)
         assert failure and "not-the-engine sent a rank command" in str(failure[0])
     finally:
+        pipeline.drain()
+    assert len(pipeline) == 0
+
+
+def test_an_overtaking_steps_answer_is_not_held_behind_the_step_it_overtook():
+    """Each lane has its own collector: the answer of a step that overtook is handled as
+    soon as it is in, while the in-order step sent before it still runs."""
+
+    class Ranks:
+        def __init__(self) -> None:
+            self.answer_now: list[threading.Event] = []  # per step sent
+
+        def submit(self, command):
+            gate = threading.Event()
+            self.answer_now.append(gate)
+
+            def result(timeout_s: float):
+                assert gate.wait(timeout_s), "the test never let this step answer"
+                return [tuple(None for _ in command.commands)]
+
+            return SimpleNamespace(result=result)
+
+    def handle_until(count: int) -> None:
+        deadline = time.monotonic() + TIMEOUT_S
+        while len(handled) < count:
+            assert time.monotonic() < deadline, f"only {handled} handled"
+            woke.wait(0.1)
+            woke.clear()
+            pipeline.handle_answered()
+
+    ranks, woke, handled = Ranks(), threading.Event(), []
+    pipeline = StepPipeline(ranks, woke.set, TIMEOUT_S)
+    try:
+        in_order, overtaking = StepPlan(0), StepPlan(1, overtakes=True)
+        in_order.add(TransferPoll("a"), lambda answer: handled.append("in order"))
+        overtaking.add(TransferPoll("b"), lambda answer: handled.append("overtaking"))
+        assert pipeline.send(in_order) and pipeline.send(overtaking)
+        assert len(pipeline) == 1  # the pipeline's depth counts in-order steps only
+        ranks.answer_now[1].set()  # rank 0 ran the overtaking step first
+        handle_until(1)
+        assert handled == ["overtaking"] and not pipeline.answered_through(0)
+        ranks.answer_now[0].set()
+        handle_until(2)
+        assert handled == ["overtaking", "in order"] and pipeline.answered_through(1)
+    finally:
+        for gate in ranks.answer_now:
+            gate.set()
         pipeline.drain()
     assert len(pipeline) == 0

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 from transfer.serving.ranks.rank_protocol import RankCommand
 
@@ -34,5 +36,31 @@ class Refuse(RankCommand[None]):
         raise ValueError(self.reason)
 
 
+@dataclass(frozen=True)
+class HoldUntil(RankCommand[None]):
+    """Runs until `path` exists: the test decides when the rank takes its next command."""
+
+    path: str
+    timeout_s: float = 30.0
+
+    def apply(self, worker) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        while not os.path.exists(self.path):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.path} did not appear within {self.timeout_s} s")
+            time.sleep(0.005)
+
+
+@dataclass(frozen=True)
+class Tick(RankCommand[int]):
+    """Answers how many Ticks the rank ran before it: the order the rank ran them in."""
+
+    overtakes: bool = False
+
+    def apply(self, worker) -> int:
+        worker.ticks += 1
+        return worker.ticks - 1
+
+
 def build(spec, group) -> object:
-    return object()
+    return SimpleNamespace(ticks=0)

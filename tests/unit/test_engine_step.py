@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.rank_fakes import Refuse, Sleep, Spec
+from tests.support.rank_fakes import HoldUntil, Refuse, Sleep, Spec, Tick
 from transfer.errors import InvalidInput
 from transfer.serving.engine.step import EngineStep, SentStep, StepPlan
 from transfer.serving.ranks.ranks import RankGroup
@@ -29,3 +29,16 @@ def test_each_command_answers_for_itself_in_order(group):
     assert answers[0] == [0.0] and answers[2] == [0.01]
     assert isinstance(answers[1], InvalidInput) and "slot 3 is broken" in str(answers[1])
     assert group.alive  # a failed command is its own, never the group's
+
+
+def test_a_step_that_overtakes_runs_before_the_steps_waiting_at_rank_0(group, tmp_path):
+    """Both in-order steps reach rank 0 while it runs the first command; the one that
+    overtakes runs next, and every answer still reaches its own step."""
+    gate = tmp_path / "go"
+    holding = group.submit(HoldUntil(str(gate)))
+    in_order = [group.submit(EngineStep((Tick(),))) for _ in range(2)]
+    overtaking = group.submit(EngineStep((Tick(),), overtakes=True))
+    gate.touch()  # the three steps were sent before: rank 0 has them all when it looks
+    holding.result(TIMEOUT_S)
+    assert overtaking.result(TIMEOUT_S) == [(0,)]
+    assert [p.result(TIMEOUT_S) for p in in_order] == [[(1,)], [(2,)]]

@@ -25,6 +25,7 @@ class Echo:
     value: int
     delay_s: float = 0.0
     fail: bool = False
+    overtakes: bool = False
 
 
 class FakeRank0:
@@ -139,4 +140,24 @@ def test_rank0_runs_commands_in_arrival_order_and_tags_answers():
     index, command = inbox.next()  # the control process is gone
     assert (index, command) == (5, Stop())
     assert inbox.next() == (6, Stop())  # and stays gone
+    rank0.close()
+
+
+def test_rank0_runs_a_command_that_overtakes_before_those_waiting():
+    """What arrived while a command ran is read before the next one is picked: one that
+    overtakes goes first, the others keep their order, and each keeps its own index."""
+    ours, theirs = socket.socketpair()
+    control, rank0 = Connection(ours.detach()), Connection(theirs.detach())
+    inbox = _Inbox(rank0)
+    for value in range(2):
+        control.send(Echo(value))
+    control.send(Echo(2, overtakes=True))
+    control.send(Echo(3))
+    control.send(Echo(4, overtakes=True))
+    order = [inbox.next() for _ in range(5)]
+    assert [(i, c.value) for i, c in order] == [(2, 2), (4, 4), (0, 0), (1, 1), (3, 3)]
+    control.send(Echo(5))
+    control.send(Echo(6, overtakes=True))
+    control.close()
+    assert [inbox.next()[0] for _ in range(3)] == [6, 5, 7]  # 7: the Stop for the EOF
     rank0.close()

@@ -241,6 +241,11 @@ class CacheManager:
         request.released.set()
 
     @property
+    def frees_unsent(self) -> bool:
+        """Whether blocks or slots went back to the pools whose Release no step carries yet."""
+        return bool(self._commands)
+
+    @property
     def busy(self) -> bool:
         """Whether frees or ends are still to be sent or answered."""
         return bool(self._commands or self._ending or self._asked or self._freed)

@@ -12,11 +12,19 @@ ends (`decode_streams`).
 Steps are pipelined (`PIPELINE_DEPTH`): the next step is sent before the current one's
 answer is back, naming no token for the requests it continues (the rank feeds what it just
 picked), so the ranks go from one step to the next without a round trip through here. The
-ranks run the steps in the order they were sent: nothing overtakes anything. A collector
-thread waits for the answers (`step_pipeline`), so the loop never blocks on a step: a new
-request's Acquire, plan and TransferStart go on while a decode step runs. A step that
-starts a transfer holds the decode batch back (at most one step in a row), so the start is
-answered without waiting for a decode step (issue 33: the exposed transfer).
+ranks run the steps in the order they were sent. Collector threads wait for the answers
+(`step_pipeline`), so the loop never blocks on a step: a new request's Acquire, plan and
+TransferStart go on while a decode step runs.
+
+A transfer's start and polls overtake (issue 33: the exposed transfer): they go at once, in
+a step of their own that runs before the decode step waiting at the ranks, rather than
+behind it. That is safe when no step still at the ranks touches the new request's blocks
+or slot, and they are the only ones it touches. They came from the pools, where a request's
+blocks and slot go back when it is freed; every step sent before that free, and the one
+carrying its Release, may still touch them. So a step overtakes only once every step up to
+the last Release has been answered (`_fence`) and no free waits for its Release. Otherwise
+the start goes in order, in a step that holds the decode batch back (at most one step in a
+row), so its answer need not wait for a decode step.
 """
 
 from __future__ import annotations
@@ -44,13 +52,15 @@ from transfer.serving.engine.step import Answer, StepPlan
 from transfer.serving.engine.step_pipeline import StepPipeline
 from transfer.serving.engine.transfer_progress import TransferProgress
 from transfer.serving.engine.transfers import Outcome
-from transfer.serving.ranks.commands import TransferStart
+from transfer.serving.ranks.commands import TransferPoll, TransferStart
 
 logger = logging.getLogger(__name__)
 
 PIPELINE_DEPTH = 2  # steps at the ranks at once: one runs while the next waits there
 IDLE_WAIT_S = 1.0  # an idle loop still wakes this often (held caches, admission waits)
 STEP_TIMEOUT_S = 300.0
+# What may overtake: each touches only its own request's new blocks and slot.
+OVERTAKING = (TransferStart, TransferPoll)
 
 
 class DecodeEngine:
@@ -84,6 +94,8 @@ class DecodeEngine:
         self._pending_commands: list[tuple] = []  # (command, handler) for the next step
         self._steps = StepPipeline(instance.ranks, self._wake.set, STEP_TIMEOUT_S, "decode")
         self.steps = 0  # steps sent: tests and metrics count in steps, not seconds
+        self.overtaking_steps = 0  # of those, steps that overtook
+        self._fence = -1  # the last step that carried a Release
         self.decode_steps = 0  # of those, steps that carried a decode batch
         self.batches = DecodeBatches(self)
         self._closed = False
@@ -143,13 +155,14 @@ class DecodeEngine:
     def _loop(self) -> None:
         try:
             while not self._closed:
-                self._intake()
-                self.streams.flush()
                 if self._steps.handle_answered():
                     self.streams.deliver_finished()
                     self.streams.flush()  # the steps' events: one batch per sink
-                    continue  # their handlers may have queued commands: take them first
-                plan = self._build_step() if len(self._steps) < PIPELINE_DEPTH else None
+                self._intake()
+                self.streams.flush()
+                plan = self._overtaking_step()
+                if plan is None and len(self._steps) < PIPELINE_DEPTH:
+                    plan = self._build_step()
                 if plan:
                     self._send(plan)
                     continue  # fill the pipeline
@@ -161,11 +174,13 @@ class DecodeEngine:
             self._shut_down()
 
     def _intake(self) -> None:
-        while True:
-            try:
-                request = self._new.get_nowait()
-            except queue.Empty:
-                break
+        """Run the jobs and peer events queued, and start one new request: its plan takes
+        a millisecond or two, and the next one's start need not wait for it."""
+        try:
+            request = self._new.get_nowait()
+        except queue.Empty:
+            request = None
+        if request is not None:
             self.active.append(request)
             self.setup.start(request)
         while True:
@@ -182,6 +197,8 @@ class DecodeEngine:
         self.streams.deliver_finished()
 
     def _idle_wait(self) -> float:
+        if not self._new.empty():
+            return 0.0
         if len(self._steps) >= PIPELINE_DEPTH:  # nothing can be sent before an answer
             return IDLE_WAIT_S
         if any(_wants_poll_soon(r) for r in self.active):
@@ -206,9 +223,26 @@ class DecodeEngine:
 
     # -- building and sending a step ------------------------------------------------------
 
+    def _overtaking_step(self) -> StepPlan | None:
+        """The transfer starts and polls due, in a step that overtakes; None when there are
+        none, or when a step still at the ranks may touch what was freed."""
+        pending = self._pending_commands
+        if not any(isinstance(command, OVERTAKING) for command, _ in pending):
+            return None
+        if self.cache.frees_unsent or not self._steps.answered_through(self._fence):
+            return None
+        plan = StepPlan(self.steps, overtakes=True)
+        for command, handler in pending:
+            if isinstance(command, OVERTAKING):
+                plan.add(command, handler)
+        self._pending_commands = [p for p in pending if not isinstance(p[0], OVERTAKING)]
+        return plan
+
     def _build_step(self) -> StepPlan:
         plan = StepPlan(self.steps)
         frees, ending = self.cache.commands()
+        if frees:
+            self._fence = plan.index
         for command in frees:
             plan.add(command)
         for request in ending:
@@ -226,6 +260,7 @@ class DecodeEngine:
     def _send(self, plan: StepPlan) -> None:
         if self._steps.send(plan):
             self.steps += 1
+            self.overtaking_steps += plan.overtakes
             self.decode_steps += bool(plan.decode_batch)
 
     # -- answers --------------------------------------------------------------------------

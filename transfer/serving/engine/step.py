@@ -1,9 +1,11 @@
 """One engine step as one rank command: the step's commands run in order on every rank,
 and each answers for itself, so one request's failure fails only its own command.
 
-The engine is the only sender on its rank pipe, so commands run exactly in the order it
-sends them: a slot released in one step is free before a transfer of a later step (or a
-later command of the same step) reuses it, and no command needs to overtake another.
+The engine is the only sender on its rank pipe, so steps run in the order it sends them: a
+slot released in one step is free before a transfer of a later step (or a later command of
+the same step) reuses it. A step that `overtakes` runs before the steps still waiting at the
+ranks; the engine sends one only when nothing it touches was touched or freed by a step not
+yet answered (`DecodeEngine`).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class EngineStep(RankCommand[tuple]):
     """Run `commands` in order; answers one result (or `RankFailure`) per command."""
 
     commands: tuple[RankCommand, ...]
+    overtakes: bool = False
 
     def apply(self, worker: Any) -> tuple:
         rank = getattr(getattr(worker, "spec", None), "rank", 0)
@@ -78,6 +81,7 @@ class StepPlan:
     commands: list[RankCommand] = field(default_factory=list)
     handlers: list[Handler] = field(default_factory=list)
     decode_batch: int = 0  # requests in its decode batch
+    overtakes: bool = False  # runs before the steps still waiting at the ranks
     sent_at: float = 0.0  # time.perf_counter() when it went to the ranks
     answered_at: float = 0.0  # time.perf_counter() when its answer was back
 

@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 import traceback
+from collections import deque
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -110,20 +111,39 @@ def _serve(rank: int, group, conn: Connection | None, worker, ready) -> None:
 
 
 class _Inbox:
-    """Rank 0's commands, run in arrival order; each answer is sent with the index of its
-    command, which the control side files it under."""
+    """Rank 0's commands, run in arrival order but for those that `overtake` (they run before
+    the commands already waiting here); each answer is sent with the index of its command,
+    which the control side files it under."""
 
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
         self.received = 0
+        self.waiting: deque[tuple[int, Any]] = deque()  # received, not run yet
         self.stopped = False  # a Stop came: read nothing more
 
     def next(self) -> tuple[int, Any]:
         """The next command to run and its index (Stop once the control process is gone)."""
-        command = Stop() if self.stopped else _receive(self.conn)
+        if not self.waiting:
+            self._take(Stop() if self.stopped else _receive(self.conn))
+        while not self.stopped and _ready(self.conn):  # what came while the last one ran
+            self._take(_receive(self.conn))
+        for i, (index, command) in enumerate(self.waiting):
+            if getattr(command, "overtakes", False):
+                del self.waiting[i]
+                return index, command
+        return self.waiting.popleft()
+
+    def _take(self, command: Any) -> None:
+        self.waiting.append((self.received, command))
+        self.received += 1
         self.stopped = isinstance(command, Stop)
-        index, self.received = self.received, self.received + 1
-        return index, command
+
+
+def _ready(conn: Connection) -> bool:
+    try:
+        return conn.poll(0)
+    except (EOFError, OSError):
+        return True  # the next receive says Stop
 
 
 def _receive(conn: Connection):

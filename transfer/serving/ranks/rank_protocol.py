@@ -28,7 +28,10 @@ R = TypeVar("R")
 
 class RankCommand(Generic[R]):
     """A command every rank runs; `R` is what one rank answers. Rank 0 runs commands in the
-    order it received them."""
+    order it received them, except that one that `overtakes` runs before those received
+    earlier that have not started yet: its sender vouches that it touches nothing they do."""
+
+    overtakes: bool = False
 
     def apply(self, worker: Any) -> R:
         raise NotImplementedError
