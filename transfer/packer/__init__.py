@@ -11,7 +11,7 @@ from transfer.packer.build import (
     prefill_gathers,
     staging_extents,
 )
-from transfer.packer.pieces import source_rank
+from transfer.packer.copies import source_rank
 from transfer.packer.plan import Mode, Ranges, SourcePlan, StagingWindow, TransferPlan
 from transfer.packer.request import TransferRequest, validate
 

@@ -10,9 +10,10 @@ import numpy as np
 
 from transfer.cache.layout import Layout
 from transfer.errors import InvalidInput
-from transfer.packer.pieces import decode_rank_pieces
+from transfer.packer.pairs import instance_pair
+from transfer.packer.pieces import merge_neighbours, request_indices, request_pieces
 from transfer.packer.plan import Mode, Ranges, SourcePlan, StagingWindow, TransferPlan
-from transfer.packer.request import TransferRequest, validate
+from transfer.packer.request import TransferRequest, validate_request
 from transfer.units import format_bytes
 
 
@@ -38,13 +39,7 @@ class StagingPolicy:
 def coalesce(src: np.ndarray, dst: np.ndarray, lengths: np.ndarray) -> Ranges:
     """Merge neighbours that are adjacent on both sides. Input is in destination order for
     wire ranges, staging order for gather/scatter ranges."""
-    if len(lengths) == 0:
-        return Ranges.empty()
-    ends_src, ends_dst = src[:-1] + lengths[:-1], dst[:-1] + lengths[:-1]
-    starts = np.ones(len(lengths), dtype=bool)
-    starts[1:] = (ends_src != src[1:]) | (ends_dst != dst[1:])
-    first = np.flatnonzero(starts)
-    return Ranges(src[first], dst[first], np.add.reduceat(lengths, first))
+    return Ranges(*merge_neighbours(src, dst, lengths))
 
 
 def _direct(src: np.ndarray, dst: np.ndarray, lengths: np.ndarray) -> Ranges:
@@ -155,7 +150,8 @@ def plan_transfer(
     last chunk). `useful_bytes` is then what the part holds.
     """
     prefill, decode = tuple(prefill), tuple(decode)
-    validate(prefill, decode, request)
+    pair = instance_pair(prefill, decode)  # validates the layouts
+    validate_request(prefill[0], decode[0], request)
     policy = policy or StagingPolicy()
     p_window = prefill_window or StagingWindow(0, prefill[0].staging_bytes)
     d_window = decode_window or StagingWindow(0, decode[0].staging_bytes)
@@ -171,12 +167,13 @@ def plan_transfer(
             )
     cursor = _StagingCursor()
     plans = []
-    for d_layout in decode:
-        pieces, naive = decode_rank_pieces(prefill, d_layout, request, wanted, tokens, with_state)
+    at = request_indices(request, prefill[0].block_size, decode[0].block_size, tokens)
+    ranks = pair.rank_copies(wanted, with_state)
+    for d_layout, copies in zip(decode, ranks, strict=True):
         sources = tuple(
             _source_plan(
                 p,
-                _direct(*piece.arrays()),
+                _direct(piece.src, piece.dst, piece.lengths),
                 piece.kv_bytes,
                 piece.state_bytes,
                 prefill[p],
@@ -186,17 +183,12 @@ def plan_transfer(
                 p_window,
                 d_window,
             )
-            for p, piece in pieces.items()
+            for p, piece in request_pieces(copies, at).items()
         )
-        num_tokens = request.num_tokens if tokens is None else tokens[1] - tokens[0]
-        if wanted is None:
-            useful = d_layout.kv_bytes_per_token * num_tokens
-            states = d_layout.state_bytes_per_slot
-        else:
-            useful = sum(u.nbytes for u in d_layout.kv_units() if u.layer in wanted)
-            useful *= num_tokens
-            states = sum(u.nbytes for u in d_layout.state_units() if u.layer in wanted)
-        useful += states * len(request.dst_slots) if with_state else 0
+        useful = copies.kv_bytes_per_token * at.num_tokens
+        useful += copies.state_bytes_per_slot * len(request.dst_slots) if with_state else 0
+        naive = copies.kv_tensor_sources * len(request.dst_blocks)
+        naive += copies.state_tensor_sources * len(request.dst_slots)
         plans.append(TransferPlan(d_layout.rank, request.num_tokens, sources, useful, naive))
     return tuple(plans)
 

@@ -74,8 +74,9 @@ def _check_ids(ids: tuple[int, ...], count: int, field: str, what: str) -> None:
         raise InvalidInput(f"{field}: duplicate {what} ids")
 
 
-def validate(prefill: Sequence[Layout], decode: Sequence[Layout], request: TransferRequest) -> None:
-    """Raise InvalidInput naming the field for any input the packer cannot plan."""
+def validate_layouts(prefill: Sequence[Layout], decode: Sequence[Layout]) -> None:
+    """Raise InvalidInput naming the field unless the packer can plan between these two
+    instances (one layout per rank, in rank order, on each side)."""
     p, d = _check_instance(prefill, "prefill"), _check_instance(decode, "decode")
     if p.geometry != d.geometry:
         raise InvalidInput(
@@ -84,6 +85,11 @@ def validate(prefill: Sequence[Layout], decode: Sequence[Layout], request: Trans
         )
     if p.dtypes != d.dtypes:
         raise InvalidInput(f"dtypes: prefill {p.dtypes} differs from decode {d.dtypes}")
+
+
+def validate_request(p: Layout, d: Layout, request: TransferRequest) -> None:
+    """Raise InvalidInput naming the field for a `request` the packer cannot plan between
+    instances that passed `validate_layouts` (`p`, `d`: a layout of each)."""
     n = request.num_tokens
     for field, layout, side in (("src_blocks", p, "prefill"), ("dst_blocks", d, "decode")):
         ids = getattr(request, field)
@@ -103,3 +109,9 @@ def validate(prefill: Sequence[Layout], decode: Sequence[Layout], request: Trans
         raise InvalidInput("src_slots: the model has linear layers; give the request's slot")
     for field, layout in (("src_slots", p), ("dst_slots", d)):
         _check_ids(getattr(request, field), layout.num_slots, field, "slot")
+
+
+def validate(prefill: Sequence[Layout], decode: Sequence[Layout], request: TransferRequest) -> None:
+    """Raise InvalidInput naming the field for any input the packer cannot plan."""
+    validate_layouts(prefill, decode)
+    validate_request(prefill[0], decode[0], request)
