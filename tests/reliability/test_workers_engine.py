@@ -16,7 +16,6 @@ from transfer.control.errors import ControlError
 from transfer.control.types import DecodeRequest, PrefillRequest
 from transfer.model.reference import reference_generate
 from transfer.presets import get_preset
-from transfer.serving.engine.decode_engine import OVERTAKING
 from transfer.serving.engine.request import DecodePhase
 from transfer.serving.engine.step import StepPlan
 from transfer.serving.engine.step_pipeline import StepPipeline
@@ -160,15 +159,15 @@ def test_a_new_transfer_overtakes_the_decode_steps_and_only_the_loop_sends(pair,
     batches = [i for i, step in enumerate(steps) if carries(step.commands, DecodeBatch)]
     assert batches[0] < start < batches[-1], "the long request was not decoding then"
     assert steps[start].overtakes
-    assert all(isinstance(c, OVERTAKING) for c in steps[start].commands)
+    assert all(isinstance(c, TransferStart | TransferPoll) for c in steps[start].commands)
     assert engine.held_back == held_before
     wait_slots_free(decode)
 
 
-def test_a_start_does_not_overtake_the_step_releasing_what_it_may_reuse(pair, monkeypatch):
+def test_a_start_does_not_overtake_the_step_releasing_what_it_reuses(pair, monkeypatch):
     """A request's blocks and slot are back in the pools before its Release runs at the
-    ranks: while that step is unanswered, a new request's start goes in order, behind it.
-    The Release step's answer is held here until the start has been sent."""
+    ranks: while that step is unanswered, a new request that reuses its slot starts in
+    order, behind it. The Release step's answer is held here until the start was sent."""
     prefill, decode = pair
     geometry, ranks = get_preset(MODEL), decode.instance.ranks
     submit, steps, answer_releases = ranks.submit, [], threading.Event()
@@ -200,12 +199,16 @@ def test_a_start_does_not_overtake_the_step_releasing_what_it_may_reuse(pair, mo
     monkeypatch.setattr(ranks, "submit", gated)
     try:
         list(decode.worker.decode(DecodeRequest(tickets["freed"], MAX_TOKENS)))
-        assert any(isinstance(c, Release) for step in steps for c in step.commands)
+        (freed,) = [s for s in steps if carries(s.commands, TransferStart, "freed")]
+        released = [c.slot for s in steps for c in s.commands if isinstance(c, Release)]
+        assert freed.commands[0].slot in released
         tokens: list[int] = []
         second = threading.Thread(target=lambda: tokens.extend(
             e.token for e in decode.worker.decode(DecodeRequest(tickets["reuses"], MAX_TOKENS))))  # fmt: skip
         second.start()
-        assert not sent_start("reuses").overtakes
+        start = sent_start("reuses")
+        assert start.commands[0].slot == freed.commands[0].slot  # the lowest free one
+        assert not start.overtakes
     finally:
         answer_releases.set()
     second.join(TIMEOUT_S)

@@ -13,7 +13,7 @@ from multiprocessing.connection import Connection
 import pytest
 
 from transfer.errors import InvalidInput
-from transfer.serving.ranks.rank_process import _Inbox
+from transfer.serving.ranks.rank_inbox import Inbox
 from transfer.serving.ranks.rank_protocol import RankFailure, RankGroupDead, Stop
 from transfer.serving.ranks.ranks import RankLink
 
@@ -131,7 +131,7 @@ def test_a_dead_rank_fails_every_waiting_command():
 def test_rank0_runs_commands_in_arrival_order_and_tags_answers():
     ours, theirs = socket.socketpair()
     control, rank0 = Connection(ours.detach()), Connection(theirs.detach())
-    inbox = _Inbox(rank0)
+    inbox = Inbox(rank0)
     for value in range(5):
         control.send(Echo(value))
     order = [inbox.next() for _ in range(5)]
@@ -148,7 +148,7 @@ def test_rank0_runs_a_command_that_overtakes_before_those_waiting():
     overtakes goes first, the others keep their order, and each keeps its own index."""
     ours, theirs = socket.socketpair()
     control, rank0 = Connection(ours.detach()), Connection(theirs.detach())
-    inbox = _Inbox(rank0)
+    inbox = Inbox(rank0)
     for value in range(2):
         control.send(Echo(value))
     control.send(Echo(2, overtakes=True))

@@ -6,8 +6,9 @@ both go back through `release`.
 Only the engine thread calls it. Ranks are never called from here: what a step must tell
 them (end a transfer, ask whether a held one settled, release a slot) is handed back as
 rank commands for the engine's next step, and their answers come back through `ended` and
-`settled`. Commands run in the order the engine sends them, so a slot released in step k is
-free on the ranks before any transfer of step k or later reuses it.
+`settled`. Steps run in the order the engine sends them, so a slot released in step k is
+free on the ranks before any transfer of step k or later reuses it; a transfer start that
+overtakes (`DecodeEngine`) is sent only once step k has been answered (`overtake_after`).
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ class CacheManager:
         self._asked: list[Request] = []  # TransferEnd sent, answer not in yet
         self._commands: list[RankCommand] = []  # frees for the next step
         self._freed: list[Request] = []  # freed by the commands above
+        # ("slot" | "block", id) -> the step that carried its last Release
+        self._released_in: dict[tuple[str, int], int] = {}
         self._last_settle_poll = 0.0
         self.frees = 0  # caches given back so far: a waiting request tries again after one
 
@@ -180,16 +183,29 @@ class CacheManager:
         else:
             self._free(request)
 
-    def commands(self) -> tuple[list[RankCommand], list[Request]]:
-        """The frees the next step carries, and the requests whose transfer's end it must
+    def commands(self, step: int = -1) -> tuple[list[RankCommand], list[Request]]:
+        """The frees step `step` carries, and the requests whose transfer's end it must
         ask (`end_command`; their answers go to `ended`)."""
         commands, self._commands = self._commands, []
         ending, self._ending = self._ending, []
         self._asked += ending
         for request in self._freed:
+            for key in _cache_keys(request.slot, request.blocks):
+                self._released_in[key] = step
             request.released.set()
         self._freed = []
         return commands, ending
+
+    def overtake_after(self, slot: int, blocks: tuple[int, ...]) -> int | None:
+        """The step whose answer a transfer start into `slot` and `blocks` must wait for
+        before it may overtake the steps at the ranks: the last to carry the Release of
+        one of them (every step that may touch them was sent no later). -1 when none did;
+        None while the Release of one of them is in no step yet."""
+        keys = _cache_keys(slot, blocks)
+        if any(key in keys for request in self._freed
+               for key in _cache_keys(request.slot, request.blocks)):  # fmt: skip
+            return None
+        return max((self._released_in.get(key, -1) for key in keys), default=-1)
 
     def settle_polls(self) -> list[Request]:
         """Held requests to ask about this step (every SETTLE_POLL_S)."""
@@ -241,14 +257,13 @@ class CacheManager:
         request.released.set()
 
     @property
-    def frees_unsent(self) -> bool:
-        """Whether blocks or slots went back to the pools whose Release no step carries yet."""
-        return bool(self._commands)
-
-    @property
     def busy(self) -> bool:
         """Whether frees or ends are still to be sent or answered."""
         return bool(self._commands or self._ending or self._asked or self._freed)
 
     def held_requests(self) -> list[str]:
         return sorted(self.held)
+
+
+def _cache_keys(slot: int, blocks: tuple[int, ...]) -> set[tuple[str, int]]:
+    return {("slot", slot), *(("block", b) for b in blocks)}

@@ -17,14 +17,15 @@ ranks run the steps in the order they were sent. Collector threads wait for the 
 TransferStart go on while a decode step runs.
 
 A transfer's start and polls overtake (issue 33: the exposed transfer): they go at once, in
-a step of their own that runs before the decode step waiting at the ranks, rather than
-behind it. That is safe when no step still at the ranks touches the new request's blocks
+a step of their own that runs before the decode step waiting at the ranks (with one rank,
+beside the step running; `rank_inbox`), rather than behind them. That is safe when no step still at the ranks touches the new request's blocks
 or slot, and they are the only ones it touches. They came from the pools, where a request's
 blocks and slot go back when it is freed; every step sent before that free, and the one
-carrying its Release, may still touch them. So a step overtakes only once every step up to
-the last Release has been answered (`_fence`) and no free waits for its Release. Otherwise
-the start goes in order, in a step that holds the decode batch back (at most one step in a
-row), so its answer need not wait for a decode step.
+carrying its Release, may still touch them. So a start overtakes only once the step that
+carried the last Release of its slot or of one of its blocks has been answered
+(`CacheManager.overtake_after`). Otherwise it goes in order, in a step that holds the
+decode batch back (at most one step in a row), so its answer need not wait for a decode
+step. A poll touches only its own request's transfer: it always overtakes.
 """
 
 from __future__ import annotations
@@ -59,8 +60,6 @@ logger = logging.getLogger(__name__)
 PIPELINE_DEPTH = 2  # steps at the ranks at once: one runs while the next waits there
 IDLE_WAIT_S = 1.0  # an idle loop still wakes this often (held caches, admission waits)
 STEP_TIMEOUT_S = 300.0
-# What may overtake: each touches only its own request's new blocks and slot.
-OVERTAKING = (TransferStart, TransferPoll)
 
 
 class DecodeEngine:
@@ -95,7 +94,6 @@ class DecodeEngine:
         self._steps = StepPipeline(instance.ranks, self._wake.set, STEP_TIMEOUT_S, "decode")
         self.steps = 0  # steps sent: tests and metrics count in steps, not seconds
         self.overtaking_steps = 0  # of those, steps that overtook
-        self._fence = -1  # the last step that carried a Release
         self.decode_steps = 0  # of those, steps that carried a decode batch
         self.batches = DecodeBatches(self)
         self._closed = False
@@ -224,25 +222,28 @@ class DecodeEngine:
     # -- building and sending a step ------------------------------------------------------
 
     def _overtaking_step(self) -> StepPlan | None:
-        """The transfer starts and polls due, in a step that overtakes; None when there are
-        none, or when a step still at the ranks may touch what was freed."""
-        pending = self._pending_commands
-        if not any(isinstance(command, OVERTAKING) for command, _ in pending):
-            return None
-        if self.cache.frees_unsent or not self._steps.answered_through(self._fence):
-            return None
-        plan = StepPlan(self.steps, overtakes=True)
-        for command, handler in pending:
-            if isinstance(command, OVERTAKING):
+        """The transfer polls due, and the starts no step at the ranks may interfere with,
+        in a step that overtakes; None when there are none."""
+        plan, rest = StepPlan(self.steps, overtakes=True), []
+        for command, handler in self._pending_commands:
+            if self._may_overtake(command):
                 plan.add(command, handler)
-        self._pending_commands = [p for p in pending if not isinstance(p[0], OVERTAKING)]
-        return plan
+            else:
+                rest.append((command, handler))
+        self._pending_commands = rest
+        return plan or None
+
+    def _may_overtake(self, command) -> bool:
+        if isinstance(command, TransferPoll):
+            return True
+        if not isinstance(command, TransferStart):
+            return False
+        after = self.cache.overtake_after(command.slot, command.block_ids)
+        return after is not None and self._steps.answered_through(after)
 
     def _build_step(self) -> StepPlan:
         plan = StepPlan(self.steps)
-        frees, ending = self.cache.commands()
-        if frees:
-            self._fence = plan.index
+        frees, ending = self.cache.commands(plan.index)
         for command in frees:
             plan.add(command)
         for request in ending:

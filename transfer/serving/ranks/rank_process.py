@@ -4,7 +4,9 @@ It reads a pickled `RankLaunch` on stdin, joins its group, builds its worker, an
 commands until told to stop. Rank 0 receives each command on its connection (a socket to
 the control process, or to the driver on another node) and broadcasts it to the group;
 every rank runs it, and rank 0 gathers the per-rank results and sends them back. Ranks
-other than 0 therefore need no connection: they follow rank 0's broadcasts.
+other than 0 therefore need no connection: they follow rank 0's broadcasts. A command that
+overtakes runs ahead of the commands waiting, or, in a group of one, at once beside the
+one running (`rank_inbox`).
 """
 
 from __future__ import annotations
@@ -19,17 +21,18 @@ import sys
 import threading
 import time
 import traceback
-from collections import deque
 from multiprocessing.connection import Connection
 from typing import Any
 
 from transfer.serving.child_process import die_with_parent
+from transfer.serving.ranks.rank_inbox import Inbox, Lanes
 from transfer.serving.ranks.rank_protocol import HEARTBEAT_S, RankFailure, RankLaunch, Stop
 
 logger = logging.getLogger(__name__)
 
 # Ranks wait for commands inside a collective; an idle server must not time them out.
 GROUP_TIMEOUT_S = 7 * 24 * 3600.0
+BESIDE_STOP_S = 10.0  # longest wait for the command running beside the loop, at the end
 
 
 def _beat(path: str) -> None:
@@ -82,19 +85,25 @@ def _serve(rank: int, group, conn: Connection | None, worker, ready) -> None:
     if any(isinstance(r, RankFailure) for r in results):
         _close(worker)
         return  # every rank saw the failure: the group cannot serve
-    inbox = _Inbox(conn) if conn is not None else None  # rank 0's; the others follow it
+    sending = threading.Lock()  # the loop and the beside thread both answer
+
+    def answer(message: Any) -> None:
+        with sending:
+            _send(conn, message)
+
+    inbox: Inbox | Lanes | None = None  # rank 0's; the others follow its broadcasts
+    if conn is not None and not (group.distributed and group.size > 1):
+        inbox = Lanes(conn, lambda command: run_command(rank, command, worker), answer,
+                      getattr(worker, "bind_thread", None))  # fmt: skip
+    elif conn is not None:
+        inbox = Inbox(conn)
     try:
         while True:
             index, command = inbox.next() if inbox is not None else (None, None)
             command = group.broadcast_object(command, src=0)
             if isinstance(command, Stop):
                 break
-            try:
-                result = command.apply(worker)
-            except Exception as exc:
-                if not isinstance(exc, ValueError):
-                    logger.error("%s failed:\n%s", type(command).__name__, traceback.format_exc())
-                result = RankFailure.of(rank, exc)
+            result = run_command(rank, command, worker)
             after = getattr(worker, "after_command", None)
             if after is not None:
                 try:
@@ -103,54 +112,23 @@ def _serve(rank: int, group, conn: Connection | None, worker, ready) -> None:
                     logger.error("after_command failed:\n%s", traceback.format_exc())
             results = _gather(group, result)
             if conn is not None:
-                _send(conn, (index, results))
+                answer((index, results))
     except KeyboardInterrupt:
         pass
     finally:
+        if isinstance(inbox, Lanes):
+            inbox.close(BESIDE_STOP_S)
         _close(worker)
 
 
-class _Inbox:
-    """Rank 0's commands, run in arrival order but for those that `overtake` (they run before
-    the commands already waiting here); each answer is sent with the index of its command,
-    which the control side files it under."""
-
-    def __init__(self, conn: Connection) -> None:
-        self.conn = conn
-        self.received = 0
-        self.waiting: deque[tuple[int, Any]] = deque()  # received, not run yet
-        self.stopped = False  # a Stop came: read nothing more
-
-    def next(self) -> tuple[int, Any]:
-        """The next command to run and its index (Stop once the control process is gone)."""
-        if not self.waiting:
-            self._take(Stop() if self.stopped else _receive(self.conn))
-        while not self.stopped and _ready(self.conn):  # what came while the last one ran
-            self._take(_receive(self.conn))
-        for i, (index, command) in enumerate(self.waiting):
-            if getattr(command, "overtakes", False):
-                del self.waiting[i]
-                return index, command
-        return self.waiting.popleft()
-
-    def _take(self, command: Any) -> None:
-        self.waiting.append((self.received, command))
-        self.received += 1
-        self.stopped = isinstance(command, Stop)
-
-
-def _ready(conn: Connection) -> bool:
+def run_command(rank: int, command: Any, worker) -> Any:
+    """`command`'s result on this rank, or the RankFailure it raised."""
     try:
-        return conn.poll(0)
-    except (EOFError, OSError):
-        return True  # the next receive says Stop
-
-
-def _receive(conn: Connection):
-    try:
-        return conn.recv()
-    except (EOFError, OSError):
-        return Stop()
+        return command.apply(worker)
+    except Exception as exc:
+        if not isinstance(exc, ValueError):
+            logger.error("%s failed:\n%s", type(command).__name__, traceback.format_exc())
+        return RankFailure.of(rank, exc)
 
 
 def _send(conn: Connection, results: list[Any]) -> None:

@@ -11,6 +11,8 @@ READs can still land (bug 14).
 
 from __future__ import annotations
 
+import functools
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -41,6 +43,15 @@ WARMUP_POLL_S = 0.0005
 _WARMUP_KEY = "\0warm-up"
 
 
+def _locked(method: Callable) -> Callable:
+    @functools.wraps(method)
+    def locked(self: RankTransfers, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return locked
+
+
 @dataclass
 class _Transfer:
     slot: int
@@ -52,8 +63,8 @@ class _Transfer:
 
 
 class RankTransfers:
-    """The transfers into and out of one rank's arena. Not thread-safe: the rank's command
-    loop is its one caller."""
+    """The transfers into and out of one rank's arena. Thread-safe, one call at a time: a
+    rank may start or poll a transfer beside the step its command loop runs."""
 
     def __init__(
         self,
@@ -76,9 +87,11 @@ class RankTransfers:
         self.peers: dict[str, list[str]] = {}  # prefill instance -> peer name of each rank
         self.transfers: dict[str, _Transfer] = {}
         self.finished: dict[str, Finished] = {}  # what the agent finished, until `end`
+        self._lock = threading.RLock()
 
     # -- handshake ------------------------------------------------------------------------
 
+    @_locked
     def add_peers(self, instance: str, metadata: list[bytes], staging: list[int]) -> None:
         """Connect to every rank of prefill instance `instance` (again, after a restart):
         a small READ from each one's staging area (`staging`: arena offsets) sets up the
@@ -123,6 +136,7 @@ class RankTransfers:
 
     # -- the source side ------------------------------------------------------------------
 
+    @_locked
     def stage_gather(self, copies: Copies) -> None:
         """Pack cache ranges back to back into the staging area (`copies.dst` consecutive),
         done before this returns: the decode side READs them next."""
@@ -130,6 +144,7 @@ class RankTransfers:
 
     # -- the reading side -----------------------------------------------------------------
 
+    @_locked
     def start(
         self,
         request_id: str,
@@ -187,6 +202,7 @@ class RankTransfers:
             time.sleep(SETTLE_POLL_S)
         return transfer.status
 
+    @_locked
     def post(self, request_id: str, reads: tuple[RankReads, ...], last: bool) -> None:
         """Post more READs of an open stream; `last` seals it."""
         transfer = self._transfer(request_id)
@@ -198,6 +214,7 @@ class RankTransfers:
             transfer.sealed = True
             self._stop_reader(request_id, transfer)
 
+    @_locked
     def poll(self, request_id: str) -> RankTransferStatus:
         """Once DONE the slot is READY. A finished transfer keeps its status until `end`."""
         transfer = self._transfer(request_id)
@@ -205,6 +222,7 @@ class RankTransfers:
         self._advance(request_id, transfer)
         return transfer.status
 
+    @_locked
     def advance_all(self) -> None:
         """Notice finished transfers early (run after every rank command)."""
         if not self.transfers:
@@ -241,6 +259,7 @@ class RankTransfers:
             seconds = time.monotonic() - transfer.posted_at
             transfer.status = RankTransferStatus(TransferState.DONE, seconds)
 
+    @_locked
     def end(self, request_id: str) -> bool:
         """Forget a transfer. True when none of its READs can still move bytes, so its slot
         and blocks may be reused; otherwise keep asking `settled`. A slot whose transfer
@@ -251,6 +270,7 @@ class RankTransfers:
         self.finished.pop(request_id, None)
         return self.agent.abandon(request_id)
 
+    @_locked
     def settled(self, request_id: str) -> bool:
         """Release the request's READs that can no longer move bytes; True when none remain."""
         return self.agent.settled(request_id)
@@ -267,6 +287,7 @@ class RankTransfers:
         except KeyError:
             raise ValueError(f"request_id {request_id!r}: no transfer in flight") from None
 
+    @_locked
     def close(self) -> None:
         for request_id in list(self.transfers):
             self.end(request_id)

@@ -167,6 +167,11 @@ class RankWorker:
     def transfer_poll(self, request_id: str) -> RankTransferStatus:
         return self.transfers.poll(request_id)
 
+    def bind_thread(self) -> None:
+        """Run by a thread of the rank besides its command loop before any command."""
+        if self.spec.device == "cuda":
+            torch.cuda.set_device(self.spec.local_rank)
+
     def after_command(self) -> None:
         """Run by the command loop after every command: notice finished transfers early."""
         self.transfers.advance_all()
