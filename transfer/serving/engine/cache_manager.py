@@ -202,10 +202,10 @@ class CacheManager:
         one of them (every step that may touch them was sent no later). -1 when none did;
         None while the Release of one of them is in no step yet."""
         keys = _cache_keys(slot, blocks)
-        if any(key in keys for request in self._freed
-               for key in _cache_keys(request.slot, request.blocks)):  # fmt: skip
+        unsent = set().union(*(_cache_keys(r.slot, r.blocks) for r in self._freed))
+        if keys & unsent:
             return None
-        return max((self._released_in.get(key, -1) for key in keys), default=-1)
+        return max(self._released_in.get(key, -1) for key in keys)
 
     def settle_polls(self) -> list[Request]:
         """Held requests to ask about this step (every SETTLE_POLL_S)."""

@@ -17,15 +17,16 @@ ranks run the steps in the order they were sent. Collector threads wait for the 
 TransferStart go on while a decode step runs.
 
 A transfer's start and polls overtake (issue 33: the exposed transfer): they go at once, in
-a step of their own that runs before the decode step waiting at the ranks (with one rank,
-beside the step running; `rank_inbox`), rather than behind them. That is safe when no step still at the ranks touches the new request's blocks
-or slot, and they are the only ones it touches. They came from the pools, where a request's
-blocks and slot go back when it is freed; every step sent before that free, and the one
-carrying its Release, may still touch them. So a start overtakes only once the step that
-carried the last Release of its slot or of one of its blocks has been answered
-(`CacheManager.overtake_after`). Otherwise it goes in order, in a step that holds the
-decode batch back (at most one step in a row), so its answer need not wait for a decode
-step. A poll touches only its own request's transfer: it always overtakes.
+a step of their own that runs before the decode steps waiting at the ranks (with one rank,
+beside the step running: `rank_inbox`), not behind them. That is safe when no step still
+at the ranks touches the new request's blocks or slot, the only ones a start touches. They
+came from the pools, where a request's blocks and slot go back when it is freed; every step
+sent before that free, and the one carrying its Release, may still touch them. So a start
+overtakes only once the step that carried the last Release of its slot or of one of its
+blocks has been answered (`CacheManager.overtake_after`). Otherwise it goes in order, in a
+step that holds the decode batch back (at most one step in a row), so its answer need not
+wait for a decode step. A poll touches only its own request's transfer: it always
+overtakes.
 """
 
 from __future__ import annotations
@@ -93,7 +94,6 @@ class DecodeEngine:
         self._pending_commands: list[tuple] = []  # (command, handler) for the next step
         self._steps = StepPipeline(instance.ranks, self._wake.set, STEP_TIMEOUT_S, "decode")
         self.steps = 0  # steps sent: tests and metrics count in steps, not seconds
-        self.overtaking_steps = 0  # of those, steps that overtook
         self.decode_steps = 0  # of those, steps that carried a decode batch
         self.batches = DecodeBatches(self)
         self._closed = False
@@ -172,8 +172,9 @@ class DecodeEngine:
             self._shut_down()
 
     def _intake(self) -> None:
-        """Run the jobs and peer events queued, and start one new request: its plan takes
-        a millisecond or two, and the next one's start need not wait for it."""
+        """Run the jobs and peer events queued, and start one new request: requests that
+        arrive together then start one by one, each as soon as it is planned, with the
+        answers that came in between handled first."""
         try:
             request = self._new.get_nowait()
         except queue.Empty:
@@ -261,7 +262,6 @@ class DecodeEngine:
     def _send(self, plan: StepPlan) -> None:
         if self._steps.send(plan):
             self.steps += 1
-            self.overtaking_steps += plan.overtakes
             self.decode_steps += bool(plan.decode_batch)
 
     # -- answers --------------------------------------------------------------------------
