@@ -10,11 +10,11 @@ Two shipped bugs (docs/bugs.md) live here:
 from __future__ import annotations
 
 import enum
-import functools
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 from transfer.errors import WrongState
+from transfer.locking import locked
 
 
 class CacheFillingError(WrongState):
@@ -25,15 +25,6 @@ class SlotPhase(str, enum.Enum):
     FREE = "free"  # holds nothing this engine may read
     FILLING = "filling"  # a transfer is writing it (and its blocks)
     READY = "ready"  # holds a request's state: prefilled here or transferred in
-
-
-def _locked(method: Callable) -> Callable:
-    @functools.wraps(method)
-    def locked(self: SlotTable, *args, **kwargs):
-        with self._lock:
-            return method(self, *args, **kwargs)
-
-    return locked
 
 
 class SlotTable:
@@ -50,12 +41,12 @@ class SlotTable:
         if not isinstance(slot, int) or not 0 <= slot < self.num_slots:
             raise ValueError(f"slot must be an int in [0, {self.num_slots}), got {slot!r}")
 
-    @_locked
+    @locked
     def phase(self, slot: int) -> SlotPhase:
         self.check_slot(slot)
         return self.phases[slot]
 
-    @_locked
+    @locked
     def mark_filling(self, slot: int, block_ids: Iterable[int]) -> None:
         """A transfer starts writing `slot` and `block_ids`; steps on them now raise."""
         self._check_free(slot, "mark_filling")
@@ -66,7 +57,7 @@ class SlotTable:
         self.phases[slot] = SlotPhase.FILLING
         self.filling_blocks[slot] = blocks
 
-    @_locked
+    @locked
     def mark_ready(self, slot: int) -> None:
         """The transfer into `slot` completed: decode may continue from its bytes as they are."""
         if self.phase(slot) is not SlotPhase.FILLING:
@@ -74,26 +65,26 @@ class SlotTable:
         self.phases[slot] = SlotPhase.READY
         del self.filling_blocks[slot]
 
-    @_locked
+    @locked
     def release(self, slot: int) -> None:
         """The request in `slot` is finished or aborted (a failed transfer too)."""
         self.check_slot(slot)
         self.phases[slot] = SlotPhase.FREE
         self.filling_blocks.pop(slot, None)
 
-    @_locked
+    @locked
     def check_prefill(self, slot: int, block_ids: Iterable[int]) -> None:
         """Check a local prefill may start `slot` from zeros, changing nothing."""
         self._check_not_filling(slot, block_ids)
         self._check_free(slot, "prefill")
 
-    @_locked
+    @locked
     def begin_prefill(self, slot: int, block_ids: Iterable[int]) -> None:
         """Check a local prefill may start `slot` from zeros; it becomes READY."""
         self.check_prefill(slot, block_ids)
         self.phases[slot] = SlotPhase.READY
 
-    @_locked
+    @locked
     def check_decode(self, slot: int, block_ids: Iterable[int]) -> None:
         """Check a decode step may read and extend `slot`; it must hold a state."""
         self._check_not_filling(slot, block_ids)
@@ -103,7 +94,7 @@ class SlotTable:
                 "mark_filling / mark_ready around the transfer that fills it"
             )
 
-    @_locked
+    @locked
     def check_not_filling(self, slot: int) -> None:
         """Raise CacheFillingError while a transfer writes `slot`."""
         if self.phase(slot) is SlotPhase.FILLING:

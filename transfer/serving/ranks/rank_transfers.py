@@ -11,7 +11,6 @@ READs can still land (bug 14).
 
 from __future__ import annotations
 
-import functools
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -24,6 +23,7 @@ from transfer.agent.staging import Packed, StagingArea, check_copies, gather_to_
 from transfer.cache.layout import Layout
 from transfer.dataplane import RangeBatch
 from transfer.dataplane.metadata import PeerInfo
+from transfer.locking import locked
 from transfer.serving.ranks.commands import RankTransferStatus, StreamSource, TransferState
 from transfer.serving.ranks.progress import entry_offset
 from transfer.serving.ranks.spec import WARMUP_BYTES, Copies, RankReads
@@ -41,15 +41,6 @@ WARMUP_GRACE_S = 5.0
 WARMUP_POLL_S = 0.0005
 # Agent keys of warm-up READs; request ids never start with a NUL.
 _WARMUP_KEY = "\0warm-up"
-
-
-def _locked(method: Callable) -> Callable:
-    @functools.wraps(method)
-    def locked(self: RankTransfers, *args, **kwargs):
-        with self._lock:
-            return method(self, *args, **kwargs)
-
-    return locked
 
 
 @dataclass
@@ -91,7 +82,7 @@ class RankTransfers:
 
     # -- handshake ------------------------------------------------------------------------
 
-    @_locked
+    @locked
     def add_peers(self, instance: str, metadata: list[bytes], staging: list[int]) -> None:
         """Connect to every rank of prefill instance `instance` (again, after a restart):
         a small READ from each one's staging area (`staging`: arena offsets) sets up the
@@ -136,7 +127,7 @@ class RankTransfers:
 
     # -- the source side ------------------------------------------------------------------
 
-    @_locked
+    @locked
     def stage_gather(self, copies: Copies) -> None:
         """Pack cache ranges back to back into the staging area (`copies.dst` consecutive),
         done before this returns: the decode side READs them next."""
@@ -144,7 +135,7 @@ class RankTransfers:
 
     # -- the reading side -----------------------------------------------------------------
 
-    @_locked
+    @locked
     def start(
         self,
         request_id: str,
@@ -202,7 +193,7 @@ class RankTransfers:
             time.sleep(SETTLE_POLL_S)
         return transfer.status
 
-    @_locked
+    @locked
     def post(self, request_id: str, reads: tuple[RankReads, ...], last: bool) -> None:
         """Post more READs of an open stream; `last` seals it."""
         transfer = self._transfer(request_id)
@@ -214,7 +205,7 @@ class RankTransfers:
             transfer.sealed = True
             self._stop_reader(request_id, transfer)
 
-    @_locked
+    @locked
     def poll(self, request_id: str) -> RankTransferStatus:
         """Once DONE the slot is READY. A finished transfer keeps its status until `end`."""
         transfer = self._transfer(request_id)
@@ -222,7 +213,7 @@ class RankTransfers:
         self._advance(request_id, transfer)
         return transfer.status
 
-    @_locked
+    @locked
     def advance_all(self) -> None:
         """Notice finished transfers early (run after every rank command)."""
         if not self.transfers:
@@ -259,7 +250,7 @@ class RankTransfers:
             seconds = time.monotonic() - transfer.posted_at
             transfer.status = RankTransferStatus(TransferState.DONE, seconds)
 
-    @_locked
+    @locked
     def end(self, request_id: str) -> bool:
         """Forget a transfer. True when none of its READs can still move bytes, so its slot
         and blocks may be reused; otherwise keep asking `settled`. A slot whose transfer
@@ -270,7 +261,7 @@ class RankTransfers:
         self.finished.pop(request_id, None)
         return self.agent.abandon(request_id)
 
-    @_locked
+    @locked
     def settled(self, request_id: str) -> bool:
         """Release the request's READs that can no longer move bytes; True when none remain."""
         return self.agent.settled(request_id)
@@ -287,7 +278,7 @@ class RankTransfers:
         except KeyError:
             raise ValueError(f"request_id {request_id!r}: no transfer in flight") from None
 
-    @_locked
+    @locked
     def close(self) -> None:
         for request_id in list(self.transfers):
             self.end(request_id)
