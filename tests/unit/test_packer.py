@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.support.layouts import instance_layouts
 from tests.support.packer_reference import apply_memcpy, check_transfer
 from transfer.agent.staging import Packed, StagingArea, check_copies, copy_within, gather_to_staging
 from transfer.cache import CachePools, KVOrder, Layout, LayoutOptions
@@ -31,20 +32,6 @@ def _geometry(name: str) -> ModelGeometry:
     return ModelGeometry(geometry.name, layers, geometry.hidden_size)
 
 
-def _instance(geometry, tp, block_size, num_blocks, num_slots, staging=1 << 20, **options):
-    layout = Layout(
-        geometry,
-        tp,
-        0,
-        block_size,
-        num_blocks,
-        num_slots,
-        options=LayoutOptions(**options),
-        staging_bytes=staging,
-    )
-    return layout.all_ranks()
-
-
 def _preset_pairs():
     for name in PRESETS:
         tps = get_preset(name).valid_tps((1, 2, 4, 8))
@@ -58,8 +45,8 @@ def test_every_preset_and_tp_pair_moves_exact_bytes(name, p, d):
     tokens = 45
     # Prefill blocks smaller on even pairs, larger on odd ones: both directions.
     p_bs, d_bs = (8, 16) if (p + d) % 2 == 0 else (16, 8)
-    prefill = _instance(geometry, p, p_bs, 8, 2)
-    decode = _instance(geometry, d, d_bs, 8, 2)
+    prefill = instance_layouts(geometry, p, p_bs, 8, 2)
+    decode = instance_layouts(geometry, d, d_bs, 8, 2)
     rng = np.random.default_rng(p * 10 + d)
     src_blocks = rng.permutation(8)[: math.ceil(tokens / p_bs)].tolist()
     dst_blocks = rng.permutation(8)[: math.ceil(tokens / d_bs)].tolist()
@@ -109,7 +96,10 @@ def test_head_major_kv_beats_layer_first_under_hetero_tp():
 def test_mla_reads_spread_evenly_over_prefill_ranks():
     geometry = ModelGeometry("mla", (LayerSpec(0, MLASpec(8, 4, 2, 2, 2)),), 8)
     for p, d in [(4, 2), (2, 4), (4, 4), (8, 2), (2, 8), (4, 8)]:
-        prefill, decode = _instance(geometry, p, 4, 8, 1), _instance(geometry, d, 4, 8, 1)
+        prefill, decode = (
+            instance_layouts(geometry, p, 4, 8, 1),
+            instance_layouts(geometry, d, 4, 8, 1),
+        )
         plans = plan_transfer(prefill, decode, TransferRequest(17, range(5), [], range(5), []))
         counts = np.bincount([s.prefill_rank for plan in plans for s in plan.sources], minlength=p)
         assert all(len(plan.sources) == 1 for plan in plans)  # exactly one source each
@@ -119,8 +109,8 @@ def test_mla_reads_spread_evenly_over_prefill_ranks():
 def test_staging_gathers_small_ranges_and_falls_back_when_staging_is_small():
     geometry = get_preset("tiny-qwen3-next")
     request = TransferRequest(40, range(5), [0], range(5), [0])
-    prefill = _instance(geometry, 1, 8, 8, 2)
-    decode = _instance(geometry, 2, 8, 8, 2, kv_order=KVOrder.LAYER_FIRST)
+    prefill = instance_layouts(geometry, 1, 8, 8, 2)
+    decode = instance_layouts(geometry, 2, 8, 8, 2, kv_order=KVOrder.LAYER_FIRST)
     eager = StagingPolicy(small_bytes=4096, min_small_ranges=4)
     staged = plan_transfer(prefill, decode, request, eager)
     for plan in staged:
@@ -131,7 +121,7 @@ def test_staging_gathers_small_ranges_and_falls_back_when_staging_is_small():
         assert "gathered into 1 wire range" in source.reason
     direct = plan_transfer(prefill, decode, request, StagingPolicy(enabled=False))
     assert all(s.mode is Mode.DIRECT for plan in direct for s in plan.sources)
-    tiny_staging = _instance(geometry, 2, 8, 8, 2, staging=64, kv_order=KVOrder.LAYER_FIRST)
+    tiny_staging = instance_layouts(geometry, 2, 8, 8, 2, staging=64, kv_order=KVOrder.LAYER_FIRST)
     fallback = plan_transfer(prefill, tiny_staging, request, eager)
     for plan in fallback:
         assert plan.sources[0].mode is Mode.DIRECT
@@ -144,8 +134,8 @@ def test_staging_gathers_small_ranges_and_falls_back_when_staging_is_small():
 def test_staging_with_the_pack_kernels_matches_memcpy():
     geometry = get_preset("tiny-nemotron-h")
     request = TransferRequest(30, [3, 0, 5, 1], [1], [2, 6, 4, 7], [0])
-    prefill = _instance(geometry, 2, 8, 8, 2)
-    decode = _instance(geometry, 4, 8, 8, 2, kv_order=KVOrder.BLOCKS_FIRST)
+    prefill = instance_layouts(geometry, 2, 8, 8, 2)
+    decode = instance_layouts(geometry, 4, 8, 8, 2, kv_order=KVOrder.BLOCKS_FIRST)
     plans = plan_transfer(
         prefill, decode, request, StagingPolicy(small_bytes=2048, min_small_ranges=2)
     )
@@ -176,7 +166,10 @@ def test_staging_with_the_pack_kernels_matches_memcpy():
 
 def test_plans_export_int64_ranges_and_report_keys():
     geometry = get_preset("tiny-kimi-linear")
-    prefill, decode = _instance(geometry, 2, 64, 4, 2), _instance(geometry, 4, 64, 4, 2)
+    prefill, decode = (
+        instance_layouts(geometry, 2, 64, 4, 2),
+        instance_layouts(geometry, 4, 64, 4, 2),
+    )
     (plan, *_) = plan_transfer(prefill, decode, TransferRequest(100, [1, 3], [1], [2, 0], [0]))
     src, dst, lengths = plan.sources[0].wire.arrays()
     assert src.dtype == dst.dtype == lengths.dtype == np.int64
@@ -203,7 +196,7 @@ GQA = ModelGeometry("gqa", (LayerSpec(0, GQASpec(4, 2, 4)),), 8)
     ],
 )
 def test_bad_requests_are_rejected_naming_the_field(change, message):
-    prefill, decode = _instance(GQA, 1, 4, 8, 2), _instance(GQA, 2, 4, 8, 2)
+    prefill, decode = instance_layouts(GQA, 1, 4, 8, 2), instance_layouts(GQA, 2, 4, 8, 2)
     fields = {
         "num_tokens": 10,
         "src_blocks": [0, 1, 2],
@@ -217,10 +210,10 @@ def test_bad_requests_are_rejected_naming_the_field(change, message):
 
 def test_mismatched_layouts_are_rejected_naming_what_differs():
     request = TransferRequest(10, [0, 1, 2], [0], [0, 1, 2], [0])
-    prefill = _instance(GQA, 2, 4, 8, 2)
+    prefill = instance_layouts(GQA, 2, 4, 8, 2)
     other = ModelGeometry("gqa", (LayerSpec(0, GQASpec(4, 2, 8)),), 8)
     with pytest.raises(ValueError, match="geometry: decode has 'gqa'"):
-        plan_transfer(prefill, _instance(other, 2, 4, 8, 2), request)
+        plan_transfer(prefill, instance_layouts(other, 2, 4, 8, 2), request)
     fp32 = Layout(GQA, 1, 0, 4, 8, 2, CacheDtypes(4, 4, 4)).all_ranks()
     with pytest.raises(ValueError, match="dtypes"):
         plan_transfer(prefill, fp32, request)

@@ -12,7 +12,8 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from transfer.cache import ConvOrder, KVOrder, Layout, LayoutOptions
+from tests.support.layouts import instance_layouts
+from transfer.cache import ConvOrder, KVOrder, Layout
 from transfer.packer import TransferPlan, TransferRequest, plan_transfer
 from transfer.packer.pairs import clear_cache, instance_pair
 from transfer.presets import get_preset
@@ -21,17 +22,8 @@ NUM_BLOCKS, NUM_SLOTS, STAGING = 24, 4, 1 << 14
 
 
 def _instance(name: str, tp: int, block_size: int, **options) -> tuple[Layout, ...]:
-    layout = Layout(
-        get_preset(name),
-        tp,
-        0,
-        block_size,
-        NUM_BLOCKS,
-        NUM_SLOTS,
-        options=LayoutOptions(**options),
-        staging_bytes=STAGING,
-    )
-    return layout.all_ranks()
+    return instance_layouts(get_preset(name), tp, block_size, NUM_BLOCKS, NUM_SLOTS, STAGING,
+                            **options)  # fmt: skip
 
 
 def _copy(layouts: tuple[Layout, ...]) -> tuple[Layout, ...]:

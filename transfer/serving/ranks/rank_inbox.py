@@ -38,9 +38,9 @@ class Inbox:
     def next(self) -> tuple[int, Any]:
         """The next command to run and its index (Stop once the control process is gone)."""
         if not self.waiting:
-            self._take(Stop() if self.stopped else receive(self.conn))
+            self._take(Stop() if self.stopped else _receive(self.conn))
         while not self.stopped and _ready(self.conn):  # what came while the last one ran
-            self._take(receive(self.conn))
+            self._take(_receive(self.conn))
         for i, (index, command) in enumerate(self.waiting):
             if getattr(command, "overtakes", False):
                 del self.waiting[i]
@@ -86,7 +86,7 @@ class Lanes:
     def _read(self) -> None:
         for index in itertools.count():
             try:
-                command = receive(self.conn)
+                command = _receive(self.conn)
             except Exception:  # noqa: BLE001 - e.g. a command that does not unpickle
                 logger.exception("reading a command failed: stopping")
                 command = Stop()
@@ -103,7 +103,7 @@ class Lanes:
             self._answer((index, [self._run(command)]))
 
 
-def receive(conn: Connection) -> Any:
+def _receive(conn: Connection) -> Any:
     """The next command; Stop once the control process is gone."""
     try:
         return conn.recv()
