@@ -15,7 +15,8 @@ import pytest
 from k8s_manifests import command_lines, container_env, is_shell, objects_of, rendered
 
 from transfer.model.tiny_tokenizer import write_tiny_tokenizer
-from transfer.serving.openai.app import ServedModel, build_app
+from transfer.serving.openai.app import build_app
+from transfer.serving.openai.handler import ServedModel
 from transfer.serving.openai.http_server import HttpServer
 from transfer.serving.openai.text import TextCodec
 

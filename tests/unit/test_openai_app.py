@@ -9,7 +9,8 @@ from fastapi.testclient import TestClient
 
 from transfer.errors import CapacityError
 from transfer.model.tiny_tokenizer import write_tiny_tokenizer
-from transfer.serving.openai.app import MAX_BODY_BYTES, ServedModel, build_app
+from transfer.serving.openai.app import MAX_BODY_BYTES, build_app
+from transfer.serving.openai.handler import ServedModel
 from transfer.serving.openai.text import TextCodec
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from transfer.errors import InvalidInput
 from transfer.presets import TINY_HF_CONFIGS, load_geometry, looks_like_path
-from transfer.serving.openai.app import ServedModel
+from transfer.serving.openai.handler import ServedModel
 from transfer.serving.openai.text import TextCodec
 
 DEFAULT_CONTEXT = 4096  # a preset that names no context length
