@@ -14,7 +14,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from transfer.control.client import RouterClient
+from transfer.control.client import EXIT_CLOSE_WAIT_S, RouterClient
 from transfer.control.errors import ControlError, GrpcCode
 from transfer.control.types import GenerateRequest
 from transfer.stats import percentile
@@ -156,7 +156,7 @@ def run_load(
         for t in threads:
             t.join(max(0.0, deadline - time.monotonic()) + 5.0)
     finally:
-        client.close()
+        client.close(EXIT_CLOSE_WAIT_S)
     wall = time.perf_counter() - began
     good = [r for r in results.values() if not r.error and r.tokens]
     tokens = sum(r.tokens for r in good)

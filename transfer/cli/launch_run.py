@@ -102,7 +102,7 @@ def send_all(
     thread. A request stops at the first of `end_tokens` it generates (closing its stream
     cancels it on both sides). Requests still unanswered after `timeout_s` are marked as
     failed."""
-    from transfer.control.client import RouterClient
+    from transfer.control.client import EXIT_CLOSE_WAIT_S, RouterClient
     from transfer.control.types import GenerateRequest
 
     outcomes = [Outcome(f"req-{i:04d}", p) for i, p in enumerate(prompts, start_index)]
@@ -150,7 +150,7 @@ def send_all(
             say.status(f"{done}/{len(outcomes)} done, {failed} failed, {tokens} tokens streamed")
             time.sleep(0.1)
     finally:
-        client.close()  # cancels whatever is still streaming
+        client.close(EXIT_CLOSE_WAIT_S)  # cancels whatever is still streaming
         for t in threads:
             t.join(timeout=5.0)
     say.status(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
@@ -34,6 +35,9 @@ class ClientOptions:
     tls: TlsConfig | None = None
     timeout_s: float = 120.0
 
+
+# How long a caller on its way out (Ctrl-C, the end of a load) waits for a channel's close.
+EXIT_CLOSE_WAIT_S = 5.0
 
 KEEPALIVE_OPTIONS = (
     # Ping every 10 s on an open call; a peer whose gRPC stack does not answer within 10 s
@@ -88,8 +92,17 @@ class _Client:
                 GrpcCode.UNAVAILABLE, f"{self.address} not reachable within {timeout_s}s"
             ) from None
 
-    def close(self) -> None:
-        self._channel.close()
+    def close(self, wait_s: float | None = None) -> None:
+        """Close the channel, cancelling its calls. With `wait_s`, the close runs on a
+        daemon thread and this returns after at most `wait_s`: grpc's close can deadlock
+        while other threads still read the channel's streams (grpc/grpc#20026), and a
+        caller on its way out (Ctrl-C) must still get to stop what it started."""
+        if wait_s is None:
+            self._channel.close()
+            return
+        closer = threading.Thread(target=self._channel.close, name="grpc-close", daemon=True)
+        closer.start()
+        closer.join(wait_s)
 
     def __enter__(self):
         return self
@@ -207,9 +220,9 @@ class DecodeClient(_Client):
         """The request's token stream, over the shared DecodeMany call."""
         return self._mux.decode(request)
 
-    def close(self) -> None:
+    def close(self, wait_s: float | None = None) -> None:
         self._mux.close()
-        super().close()
+        super().close(wait_s)
 
 
 class RouterClient(_Client):
