@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from typing import Any
 
 from fastapi import Request
 
@@ -14,6 +15,7 @@ from transfer.serving.openai.streams import admitted_stream, unless_disconnected
 
 
 def check_model(model: ServedModel, name: str) -> None:
+    """404 (model_not_found) unless the request names the model served here."""
     if name != model.name:
         raise ApiError(
             404,
@@ -23,7 +25,8 @@ def check_model(model: ServedModel, name: str) -> None:
         )
 
 
-async def completions(handler: Handler, request: Request, payload):
+async def completions(handler: Handler, request: Request, payload: Any):
+    """/v1/completions for the JSON `payload`: a text_completion, or its SSE stream."""
     model, gone = handler.model, handler.metrics.client_gone.inc
     body = parse_completion(payload, default_max_tokens=model.default_max_tokens)
     check_model(model, body.model)
@@ -79,7 +82,8 @@ async def completions(handler: Handler, request: Request, payload):
             "usage": usage(sum(map(len, prompts)), completion_tokens, cached)}  # fmt: skip
 
 
-async def chat(handler: Handler, request: Request, payload):
+async def chat(handler: Handler, request: Request, payload: Any):
+    """/v1/chat/completions for the JSON `payload`: a chat.completion, or its SSE stream."""
     model, gone = handler.model, handler.metrics.client_gone.inc
     body = parse_chat(payload, default_max_tokens=model.default_max_tokens)
     check_model(model, body.model)
