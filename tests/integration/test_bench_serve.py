@@ -36,6 +36,8 @@ def test_reports_every_concurrency_with_the_documented_keys(tmp_path):
         assert r["ttft_ms"]["p50"] <= r["e2e_ms"]["p50"]
         assert 0 < r["exposed_transfer_ms"]["p50"] <= r["ttft_ms"]["p50"]
         assert r["decode_cpu_ms_per_token"] > 0 and r["router_cpu_ms_per_token"] > 0
+        # the decode process alone is part of its tree, which holds its rank's forwards
+        assert 0 < r["decode_control_cpu_ms_per_token"] < r["decode_cpu_ms_per_token"]
         # each request decodes its 4 tokens after the prefill's first: 6 x 4 request-steps
         assert r["decode_steps"] * r["decode_batch_mean"] == pytest.approx(6 * 4, abs=0.15)
         assert r["decode_step_ms_mean"] > 0

@@ -13,10 +13,13 @@ import statistics
 from collections.abc import Sequence
 
 LATENCY_KEYS = ("ttft_ms", "itl_ms", "e2e_ms", "transfer_ms", "exposed_transfer_ms")
+# CPU per generated token is reported for each: the decode instance with its ranks, the
+# decode instance's own process (engine, gRPC, transfer control; no forward), the router.
+CPU_SIDES = ("decode", "decode_control", "router")
 SUMMED_KEYS = (
     "requests", "failed", "retries", "output_tokens", "prompt_tokens", "cached_prompt_tokens",
-    "reused_decode_tokens", "kv_bytes", "state_bytes", "decode_steps", "decode_cpu_s",
-    "router_cpu_s",
+    "reused_decode_tokens", "kv_bytes", "state_bytes", "decode_steps",
+    *(f"{side}_cpu_s" for side in CPU_SIDES),
 )  # fmt: skip
 
 

@@ -30,7 +30,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "then, for each concurrency C, let C clients send requests back to back until "
         "--requests were served. Reports output tokens/s and p50/p99 TTFT, inter-token latency, "
         "end-to-end latency and transfer time per concurrency, and the decode instance's "
-        "mean batch size and step time (from its /metrics).",
+        "mean batch size and step time (from its /metrics), and CPU ms per generated token "
+        "(from /proc) of the decode instance with its ranks, of its own process alone "
+        "(control: engine, gRPC, transfers) and of the router.",
     )
     add_served_model_arguments(parser)
     parser.add_argument(
@@ -126,9 +128,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from transfer.bench.decode_steps import read_step_totals
-    from transfer.bench.proc_cpu import tree_cpu_seconds
     from transfer.bench.serve_load import run_load
-    from transfer.bench.serve_rounds import combine_rounds, throughput_ratios
+    from transfer.bench.serve_rounds import CPU_SIDES, combine_rounds, throughput_ratios
     from transfer.presets import load_geometry
     from transfer.serving.launch.local import LocalPair, LocalPairConfig
 
@@ -161,14 +162,13 @@ def run(args: argparse.Namespace) -> int:
             rounds.append([])
             for level in levels:
                 before = read_step_totals(decode_metrics)
-                cpu_before = [tree_cpu_seconds(p.popen.pid) for p in pair.procs[1:3]]
+                cpu_before = _cpu_seconds(pair)
                 result = run_load(
                     address, pair.token, conversations, args.max_tokens, level, args.timeout
                 )
-                cpu = [tree_cpu_seconds(p.popen.pid) - b
-                       for p, b in zip(pair.procs[1:3], cpu_before, strict=True)]  # fmt: skip
+                cpu = _cpu_seconds(pair)
                 steps = read_step_totals(decode_metrics).since(before)
-                steps |= {"decode_cpu_s": round(cpu[0], 3), "router_cpu_s": round(cpu[1], 3)}
+                steps |= {key: round(cpu[key] - cpu_before[key], 3) for key in cpu}
                 label = f" (round {round_index + 1}/{args.rounds})" if args.rounds > 1 else ""
                 print(f"bench serve: concurrency {level}{label}: "
                       f"{result.output_tokens_per_s:.1f} tok/s, "
@@ -178,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
                 rounds[-1].append(result.to_dict() | steps)
         results = [combine_rounds([r[j] for r in rounds]) for j in range(len(levels))]
         for r in results:
-            for side in ("decode", "router"):
+            for side in CPU_SIDES:
                 per_token = 1e3 * r[f"{side}_cpu_s"] / max(1, r["output_tokens"])
                 r[f"{side}_cpu_ms_per_token"] = round(per_token, 3)
     finally:
@@ -206,19 +206,35 @@ def run(args: argparse.Namespace) -> int:
     else:
         header = (f"{'conc':>5} {'tok/s':>9} {'ttft p50':>9} {'ttft p99':>9} {'itl p50':>8} "
                   f"{'e2e p50':>8} {'xfer p50':>8} {'batch':>6} {'failed':>6} "
-                  f"{'cpu ms/tok decode':>17} {'router':>6}")  # fmt: skip
+                  f"{'cpu ms/tok decode':>17} {'control':>7} {'router':>6}")  # fmt: skip
         print(header)
         for r in results:
             print(f"{r['concurrency']:>5} {r['output_tokens_per_s']:>9.1f} {r['ttft_ms']['p50']:>9.1f} "
                   f"{r['ttft_ms']['p99']:>9.1f} {r['itl_ms']['p50']:>8.1f} {r['e2e_ms']['p50']:>8.1f} "
                   f"{r['transfer_ms']['p50']:>8.2f} {r['decode_batch_mean']:>6.1f} {r['failed']:>6} "
-                  f"{r['decode_cpu_ms_per_token']:>17.2f} {r['router_cpu_ms_per_token']:>6.2f}")  # fmt: skip
+                  f"{r['decode_cpu_ms_per_token']:>17.2f} {r['decode_control_cpu_ms_per_token']:>7.2f} "
+                  f"{r['router_cpu_ms_per_token']:>6.2f}")  # fmt: skip
         if args.rounds > 1:
             print(f"(medians over {args.rounds} rounds)")
         for level, ratios in report["throughput_ratios"].items():
             print(f"tok/s at C={level} over C={levels[0]}: median {statistics.median(ratios):.2f}x"
                   f" (rounds: {', '.join(f'{x:.2f}x' for x in ratios)})")  # fmt: skip
     return 0 if all(r["failed"] == 0 for r in results) else 1
+
+
+def _cpu_seconds(pair) -> dict[str, float]:
+    """CPU seconds so far of each of `CPU_SIDES`, keyed "<side>_cpu_s"."""
+    from transfer.bench.proc_cpu import process_cpu_seconds, tree_cpu_seconds
+    from transfer.bench.serve_rounds import CPU_SIDES
+
+    decode, router = pair.procs[1].popen.pid, pair.procs[2].popen.pid
+    seconds = {
+        "decode": tree_cpu_seconds(decode),
+        "decode_control": process_cpu_seconds(decode),
+        "router": tree_cpu_seconds(router),
+    }
+    assert tuple(seconds) == CPU_SIDES
+    return {f"{side}_cpu_s": value for side, value in seconds.items()}
 
 
 def _conversations(
