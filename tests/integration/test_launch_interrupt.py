@@ -12,7 +12,14 @@ import uuid
 
 import pytest
 
-from tests.support.launch import MAIN, ROOT, assert_no_leftovers, processes_with_env
+from tests.support.launch import (
+    MAIN,
+    MAIN_FOREGROUND,
+    ROOT,
+    assert_no_leftovers,
+    processes_with_env,
+    signal_report,
+)
 from transfer.serving.launch.procs import LAUNCH_ID_ENV
 
 pytestmark = pytest.mark.slow
@@ -27,7 +34,7 @@ def test_interrupt_mid_run_leaves_nothing_behind(sig):
     args = ["launch", "--model", "tiny-qwen3-next", "--prefill-tp", "2", "--requests", "2",
             "--prompt-len", "32", "--max-tokens", str(LONG)]  # fmt: skip
     proc = subprocess.Popen(
-        [sys.executable, "-c", MAIN, *args],
+        [sys.executable, "-c", MAIN_FOREGROUND, *args],
         cwd=ROOT,
         env={**os.environ, LAUNCH_ID_ENV: launch_id},
         stdout=subprocess.PIPE,
@@ -52,7 +59,11 @@ def test_interrupt_mid_run_leaves_nothing_behind(sig):
         # The router, the two workers and their three ranks are all up and busy.
         assert len(processes_with_env(LAUNCH_ID_ENV, launch_id)) >= 6
         proc.send_signal(sig)
-        proc.wait(timeout=60)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"launch did not stop within 60 s of {sig.name}:\n"
+                        f"{signal_report(proc.pid)}\nits stderr:\n{''.join(lines)}")  # fmt: skip
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -10,6 +10,11 @@ from transfer.serving.launch.procs import LAUNCH_ID_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 MAIN = "import sys; from transfer.cli import main; sys.exit(main())"
+# MAIN as a terminal's foreground job runs it, for tests that stop it with SIGINT (Ctrl-C).
+# A test run started as a background job of a non-interactive shell (`make test &`, some CI
+# runners) passes SIGINT down ignored, and Python then never raises KeyboardInterrupt: the
+# child would ignore the test's Ctrl-C. So it puts Python's own SIGINT handler back first.
+MAIN_FOREGROUND = "import signal; signal.signal(signal.SIGINT, signal.default_int_handler); " + MAIN
 
 
 def processes_with_env(key: str, value: str) -> list[int]:
@@ -26,6 +31,30 @@ def processes_with_env(key: str, value: str) -> list[int]:
         if needle in environ.split(b"\0"):
             found.append(int(entry.name))
     return found
+
+
+def signal_report(pid: int) -> str:
+    """Why a process might not act on a signal, from /proc: its pending, blocked, ignored
+    and caught masks, and each thread's name, state and kernel wait."""
+    base = Path("/proc") / str(pid)
+    try:
+        status = (base / "status").read_text().splitlines()
+    except OSError as exc:
+        return f"pid {pid}: {exc}"
+    lines = [
+        line
+        for line in status
+        if line.startswith(("SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt"))
+    ]
+    for task in sorted((base / "task").iterdir(), key=lambda t: int(t.name)):
+        try:
+            stat = (task / "stat").read_text()
+            wchan = (task / "wchan").read_text()
+        except OSError:
+            continue
+        name, state = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2]
+        lines.append(f"thread {task.name} {name!r} {state} {wchan}")
+    return "\n".join(lines)
 
 
 def assert_no_leftovers(launch_id: str, wait_s: float = 10.0) -> None:
