@@ -14,7 +14,6 @@ import pytest
 
 from tests.support.launch import (
     MAIN,
-    MAIN_FOREGROUND,
     ROOT,
     assert_no_leftovers,
     processes_with_env,
@@ -34,7 +33,7 @@ def test_interrupt_mid_run_leaves_nothing_behind(sig):
     args = ["launch", "--model", "tiny-qwen3-next", "--prefill-tp", "2", "--requests", "2",
             "--prompt-len", "32", "--max-tokens", str(LONG)]  # fmt: skip
     proc = subprocess.Popen(
-        [sys.executable, "-c", MAIN_FOREGROUND, *args],
+        [sys.executable, "-c", MAIN, *args],
         cwd=ROOT,
         env={**os.environ, LAUNCH_ID_ENV: launch_id},
         stdout=subprocess.PIPE,

@@ -9,12 +9,14 @@ from pathlib import Path
 from transfer.serving.launch.procs import LAUNCH_ID_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
-MAIN = "import sys; from transfer.cli import main; sys.exit(main())"
-# MAIN as a terminal's foreground job runs it, for tests that stop it with SIGINT (Ctrl-C).
-# A test run started as a background job of a non-interactive shell (`make test &`, some CI
-# runners) passes SIGINT down ignored, and Python then never raises KeyboardInterrupt: the
-# child would ignore the test's Ctrl-C. So it puts Python's own SIGINT handler back first.
-MAIN_FOREGROUND = "import signal; signal.signal(signal.SIGINT, signal.default_int_handler); " + MAIN
+# The CLI as a terminal's foreground job runs it, so that a test's SIGINT is its Ctrl-C. A
+# test run started as a background job of a non-interactive shell (`make test &`, some CI
+# runners) passes SIGINT down ignored, and Python then never raises KeyboardInterrupt; so
+# the child puts Python's own SIGINT handler back first.
+MAIN = (
+    "import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "from transfer.cli import main; sys.exit(main())"
+)
 
 
 def processes_with_env(key: str, value: str) -> list[int]:

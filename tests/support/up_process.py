@@ -17,7 +17,7 @@ import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from tests.support.launch import MAIN, MAIN_FOREGROUND, ROOT, assert_no_leftovers
+from tests.support.launch import MAIN, ROOT, assert_no_leftovers
 from transfer.serving.launch.procs import LAUNCH_ID_ENV
 
 READY_PREFIX = "OpenAI API at"
@@ -58,9 +58,8 @@ def up_process(
     SIGKILL), no process of the launch left, and, unless the block raised or `exit_code` is
     None, the exit code `exit_code`."""
     launch_id = uuid.uuid4().hex
-    main = MAIN_FOREGROUND if stop_signal is signal.SIGINT else MAIN
     proc = subprocess.Popen(
-        [sys.executable, "-c", main, *args],
+        [sys.executable, "-c", MAIN, *args],
         cwd=ROOT,
         env={**os.environ, **(env or {}), LAUNCH_ID_ENV: launch_id},
         stdout=subprocess.PIPE,
