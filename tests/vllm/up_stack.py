@@ -12,7 +12,6 @@ from pathlib import Path
 
 from tests.support.up_process import up_process
 from tests.vllm.servers import START_TIMEOUT_S
-from transfer.net import free_port
 from transfer.serving.launch.vllm_servers import Connector
 
 STOP_TIMEOUT_S = 90.0
@@ -33,7 +32,7 @@ def running_up(
     ends; AssertionError if it does not come up, exits non-zero or leaves a process."""
     args = ["up", "--engine", "vllm", "--connector", connector.value, "--model", str(model),
             "--prefill-tp", str(prefill_tp), "--decode-tp", str(decode_tp),
-            "--http-port", str(free_port()), "--timeout", str(START_TIMEOUT_S)]  # fmt: skip
+            "--timeout", str(START_TIMEOUT_S)]  # fmt: skip
     with up_process(
         args,
         startup_s=2 * START_TIMEOUT_S + 60,

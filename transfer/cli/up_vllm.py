@@ -19,8 +19,6 @@ WATCH_INTERVAL_S = 0.5
 
 
 def run_vllm_up(args: argparse.Namespace) -> int:
-    from transfer.net import free_port
-    from transfer.serving.addresses import join_address
     from transfer.serving.launch.procs import start_serve, stop_all, wait_ready
     from transfer.serving.launch.vllm_servers import Connector
     from transfer.serving.launch.vllm_stack import VllmPdPlan, running_vllm_pd
@@ -42,7 +40,6 @@ def run_vllm_up(args: argparse.Namespace) -> int:
         max_model_len=args.vllm_max_model_len,
         kv_cache_bytes=kv_cache_bytes(args.vllm_kv_cache),
     )
-    http_port = args.http_port or free_port(args.host)
     run_dir = Path(tempfile.mkdtemp(prefix="pdxfer-up-vllm-"))
     keep, router = False, None
     previous = signal.signal(signal.SIGTERM, _interrupt)
@@ -53,14 +50,17 @@ def run_vllm_up(args: argparse.Namespace) -> int:
             flags = [
                 "--engine", "vllm", "--host", args.host, "--model", str(plan.model),
                 "--prefill", prefill.url, "--decode", decode.url,
-                "--http-port", str(http_port), "--max-model-len", str(plan.max_model_len),
+                # 0: the router binds a free port itself; one picked before the vLLM servers
+                # started could be taken by one of their sockets by now.
+                "--http-port", str(args.http_port or 0),
+                "--max-model-len", str(plan.max_model_len),
                 *(["--served-model-name", args.served_model_name] if args.served_model_name else []),
                 *(["--api-key-file", args.api_key_file] if args.api_key_file else []),
                 *(["--insecure"] if args.insecure else []),
             ]  # fmt: skip
             router = start_serve("router", flags, run_dir / "router")
             wait_ready([router], args.timeout)
-            base = f"http://{join_address(args.host, http_port)}"
+            base = f"http://{router.address}"  # its ready line names the port it bound
             for server in (prefill, decode):
                 print(f"{server.spec.name:8s} vLLM {server.url} (tp {server.spec.tp})  "
                       f"metrics {server.url}/metrics", flush=True)  # fmt: skip
