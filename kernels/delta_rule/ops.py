@@ -19,14 +19,17 @@ class DeltaRuleKind:
 
     name: "gdn" or "kda", the ops' suffix and package, whose `triton` module holds the Triton
     `chunk_intra` (imported only when Triton runs); title: what the ops' docstrings call it;
-    naive_intra: the torch intra-chunk matrices (see `naive_chunk_delta_rule`); decay_per_key:
-    g is [B,T,HV,K] rather than [B,T,HV].
+    naive_intra: the reference intra-chunk matrices (see `naive_chunk_delta_rule`);
+    decay_per_key: g is [B,T,HV,K] rather than [B,T,HV]; torch_intra: the intra-chunk
+    matrices the torch path (no Triton) runs with, where a kind has a faster exact form than
+    its reference.
     """
 
     name: str
     title: str
     naive_intra: Intra
     decay_per_key: bool
+    torch_intra: Intra | None = None
 
 
 _CHUNK_DOC = """Chunked {title} over whole sequences (prefill).
@@ -79,9 +82,8 @@ def chunk_op(kind: DeltaRuleKind):
 
             intra = importlib.import_module(f"kernels.{kind.name}.triton").chunk_intra
             return triton_chunk_delta_rule(intra, *args, chunk_size, cu_seqlens)
-        return naive_chunk_delta_rule(
-            kind.naive_intra, *args, chunk_size=chunk_size, cu_seqlens=cu_seqlens
-        )
+        intra = kind.torch_intra or kind.naive_intra
+        return naive_chunk_delta_rule(intra, *args, chunk_size=chunk_size, cu_seqlens=cu_seqlens)
 
     return _named(op, kind, "chunk", _CHUNK_DOC)
 

@@ -11,7 +11,8 @@ import torch.nn.functional as F  # noqa: E402
 
 from kernels.gdn.naive import naive_recurrent_gdn  # noqa: E402
 from kernels.kda import chunk_kda  # noqa: E402
-from kernels.kda.naive import naive_chunk_kda, naive_recurrent_kda  # noqa: E402
+from kernels.kda.naive import kda_intra, naive_chunk_kda, naive_recurrent_kda  # noqa: E402
+from kernels.kda.subchunk import subchunk_kda_intra  # noqa: E402
 
 FP32_BOUND = 1e-5
 BF16_BOUND = 1e-2
@@ -60,3 +61,36 @@ def test_bound_catches_decay_channels_reversed(rel_err):
     ref_o, _ = naive_recurrent_kda(**x, use_qk_l2norm=True)
     wrong, _ = naive_recurrent_kda(**{**x, "g": x["g"].flip(-1)}, use_qk_l2norm=True)
     assert rel_err(wrong, ref_o) > 10 * BF16_BOUND
+
+
+def intra_inputs(N=5, C=32, K=32, decay=1.0, padded_rows=0):
+    """Chunks' l2-normalised q, k [N,C,K] and cumulative log-decay G; the last `padded_rows`
+    rows of each chunk are the zero padding that ends a sequence (q = k = g = 0)."""
+    q, k = F.normalize(torch.randn(N, C, K), dim=-1), F.normalize(torch.randn(N, C, K), dim=-1)
+    g = F.logsigmoid(torch.randn(N, C, K) + 2) * decay
+    if padded_rows:
+        for x in (q, k, g):
+            x[:, C - padded_rows :] = 0
+    return q, k, g.cumsum(1)
+
+
+@pytest.mark.parametrize("C", [16, 32, 64])
+@pytest.mark.parametrize("sub_chunk", [4, 8, 16])
+@pytest.mark.parametrize("decay", [1.0, 20.0])
+def test_subchunk_intra_matches_the_reference(C, sub_chunk, decay, rel_err):
+    """Per-token log-decay around -20 spans exp(+-300) within a sub-chunk: a decay ratio formed
+    outside the causal mask, or through a reference row after the column, overflows."""
+    q, k, G = intra_inputs(C=C, decay=decay, padded_rows=C // 4 + 1)
+    for got, ref in zip(subchunk_kda_intra(q, k, G, sub_chunk), kda_intra(q, k, G), strict=True):
+        assert rel_err(got, ref) < FP32_BOUND
+        assert torch.equal(got.triu(1), torch.zeros_like(got))
+
+
+def test_subchunk_intra_bound_catches_an_off_by_one_reference_row(rel_err):
+    """The off-diagonal decay factored through the row before the sub-chunk's first: the
+    values move by one token's decay, which the bound must see."""
+    q, k, G = intra_inputs(C=32)
+    shifted = torch.cat([G[:, :1], G[:, :-1]], dim=1)
+    wrong, _ = subchunk_kda_intra(q, k, shifted)
+    right, _ = kda_intra(q, k, G)
+    assert rel_err(wrong, right) > 100 * FP32_BOUND
