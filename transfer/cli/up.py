@@ -120,7 +120,6 @@ def run(args: argparse.Namespace) -> int:
     context = _context_held(args)
     if args.max_model_len is not None:
         context = min(context, args.max_model_len)
-    http_port = args.http_port or _free_port(args.host)
     run_dir = Path(tempfile.mkdtemp(prefix="pdxfer-up-"))
     env = {
         LAUNCH_ID_ENV: os.environ.get(LAUNCH_ID_ENV) or uuid.uuid4().hex,
@@ -152,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
         workers = supervisor.processes
         router_flags = [
             "--host", args.host, "--port", "0", "--metrics-port", "0", "--model", args.model,
-            "--http-port", str(http_port), "--max-model-len", str(context),
+            "--http-port", str(args.http_port or 0), "--max-model-len", str(context),
             *(["--served-model-name", args.served_model_name] if args.served_model_name else []),
             *(["--api-key-file", args.api_key_file] if args.api_key_file else []),
             *(["--insecure"] if args.insecure else []),
@@ -162,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
         wait_ready([router], args.timeout)
         check_health([*workers, router], args.timeout)
         metrics_port = supervisor.serve_metrics(args.host)
-        _print_ready(args, workers, router, http_port, metrics_port, run_dir)
+        _print_ready(args, workers, router, metrics_port, run_dir)
         supervisor.watch(router)
     except KeyboardInterrupt:
         _say("stopping")
@@ -204,16 +203,12 @@ def _context_held(args: argparse.Namespace) -> int:
     return min(held) if held else 1 << 30
 
 
-def _free_port(host: str) -> int:
-    from transfer.net import free_port
-
-    return free_port(host)
-
-
-def _print_ready(args, workers, router, http_port: int, metrics_port: int, run_dir) -> None:
+def _print_ready(args, workers, router, metrics_port: int, run_dir) -> None:
     from transfer.serving.addresses import join_address
 
-    base = f"http://{join_address(args.host, http_port)}"
+    # the router bound its HTTP port itself (any free one for --http-port 0): a port picked
+    # here before the workers started could be taken by one of their sockets by then
+    base = f"http://{join_address(args.host, router.http_port)}"
     for proc in workers:
         metrics = f"http://{join_address(args.host, proc.metrics_port)}/metrics"
         print(f"{proc.role:8s} {proc.address}  metrics {metrics}", flush=True)

@@ -11,8 +11,12 @@ import signal
 READY_PREFIX = "PDXFER-READY "
 
 
-def ready_line(role: str, address: str, metrics_port: int) -> str:
+def ready_line(role: str, address: str, metrics_port: int, http_port: int | None = None) -> str:
+    """The line a started `serve` prints; `http_port`: the port its HTTP front bound, when it
+    has one (asked for as 0, it is known only here)."""
     info = {"role": role, "address": address, "metrics_port": metrics_port, "pid": os.getpid()}
+    if http_port is not None:
+        info["http_port"] = http_port
     return READY_PREFIX + json.dumps(info, sort_keys=True)
 
 

@@ -4,7 +4,8 @@ Each serve process runs in its own session (so its process group holds its TP ra
 processes too, and a Ctrl-C in the terminal reaches only the launcher, which then stops
 the groups in order). On Linux it also gets SIGTERM when the launcher dies, so a killed
 launcher leaves no server behind. A serve process announces itself with one line on
-stdout: `PDXFER-READY {"role": ..., "address": "host:port", "metrics_port": ...}`.
+stdout: `PDXFER-READY {"role": ..., "address": "host:port", "metrics_port": ...}`, and a
+router with an HTTP front also `"http_port": ...`.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class ServeProcess:
     stderr_path: Path
     address: str = ""
     metrics_port: int = 0
+    http_port: int = 0  # a router's HTTP front, as its READY line says (0: none)
     _stdout: object = field(default=None, repr=False)
     _stderr: object = field(default=None, repr=False)
 
@@ -60,6 +62,7 @@ class ServeProcess:
                 info = json.loads(line[len(READY_PREFIX) :])
                 self.address = info["address"]
                 self.metrics_port = int(info.get("metrics_port", 0))
+                self.http_port = int(info.get("http_port", 0))
                 return True
         code = self.popen.poll()
         if code is not None:

@@ -71,9 +71,9 @@ def serve(options: ServeOptions) -> int:
     return _serve_worker(options, token, server_tls, client_tls, stop)
 
 
-def _announce(role: str, server, metrics_server) -> None:
+def _announce(role: str, server, metrics_server, http=None) -> None:
     port = metrics_server.port if metrics_server else 0
-    print(ready_line(role, server.address, port), flush=True)
+    print(ready_line(role, server.address, port, http.port if http else None), flush=True)
     logger.info("serving on %s (metrics port %s)", server.address, port or "off")
 
 
@@ -111,7 +111,7 @@ def _serve_router(
             metrics_server.stop()
         raise
     router.introduce()
-    _announce(ServeRole.ROUTER, server, metrics_server)
+    _announce(ServeRole.ROUTER, server, metrics_server, http)
     try:
         stop.wait()
     finally:
