@@ -23,9 +23,9 @@ ScanRun = Callable[[Part, Sequence[torch.Tensor], torch.Tensor | None], tuple]
 
 def scan_chunk_size(device: torch.device) -> int:
     """Chunk length of the chunked delta rule: Triton's 64 on GPUs; on CPUs the torch path
-    does O(C^2) work per token inside a chunk and runs fastest at 32 (docs/benchmarks.md,
-    "Serving")."""
-    return 64 if device.type == "cuda" else 32
+    does O(C^2) work per token inside a chunk and runs fastest at 16 (docs/benchmarks.md,
+    "Prefill on the CPU")."""
+    return 64 if device.type == "cuda" else 16
 
 
 # More runs than this and one gather plus one scatter cost less than a copy per run.
