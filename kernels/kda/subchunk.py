@@ -12,9 +12,10 @@ import torch
 from ..delta_rule.naive import causal_mask, exp_where
 
 # Rows of a sub-chunk: the diagonal blocks cost C*S*K exps and the factored part about C*C*K/S
-# multiply-adds over masked columns. On one CPU thread, 256 chunks of 32 x 32 took 14.5 ms at 4
-# rows, 9.6 ms at 8 and 28 ms at 16, against 107 ms for the reference.
-SUB_CHUNK = 8
+# multiply-adds over masked columns. On one CPU thread, K = 32, median of 7: 512 chunks of 16
+# rows took 6.5 ms at 4, 8.7 ms at 8 and 18 ms at 16 (the reference: 17 ms); 256 chunks of 32
+# rows, 10 ms at 4 or 8 and 28 ms at 16 (the reference: 108 ms).
+SUB_CHUNK = 4
 
 
 def subchunk_kda_intra(
