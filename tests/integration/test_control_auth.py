@@ -23,9 +23,11 @@ from transfer.control import (
     compat_hash,
     make_compat,
 )
+from transfer.control.aio_server import serve_router
 from transfer.control.auth import TlsConfig, token_metadata
-from transfer.control.client import TransferClient
+from transfer.control.client import RouterClient, TransferClient
 from transfer.control.server import serve
+from transfer.control.types import GenerateRequest, TokenEvent
 
 COMPAT = make_compat(geometry="tiny/tp1", dtypes="bf16", block_size=4, layout_version=1)
 IDENTITY = HandshakeReply("p0", COMPAT, compat_hash(COMPAT), (b"md",), (b"layout",))
@@ -180,6 +182,36 @@ def test_mtls_with_token(start, pki):
     assert freed == ["r1"]
 
 
+async def _no_tokens(request: GenerateRequest):
+    return
+    yield
+
+
+async def _one_token(request: GenerateRequest):
+    yield TokenEvent(request.request_id, 7, 0, True)
+
+
+def test_router_server_takes_mtls_and_token(pki):
+    server_key, server_cert = pki["server"]
+    _, ca = pki["ca"]
+    client_key, client_cert = pki["client"]
+    server = serve_router(
+        "127.0.0.1:0", _one_token, token=TOKEN, tls=TlsConfig(server_cert, server_key, ca=ca)
+    )
+    try:
+        request = GenerateRequest("r1", (1,), 1)
+        good = TlsConfig(client_cert, client_key, ca=ca)
+        with RouterClient(server.address, tls=TlsConfig(ca=ca), token=TOKEN, timeout_s=5) as c:
+            expect_code("UNAVAILABLE", lambda: list(c.generate(request)))  # no client cert
+        with RouterClient(server.address, tls=good, timeout_s=5) as client:
+            assert client.health() == "SERVING"  # open for Kubernetes probes
+            expect_code("UNAUTHENTICATED", lambda: list(client.generate(request)))
+        with RouterClient(server.address, tls=good, token=TOKEN, timeout_s=5) as client:
+            assert [e.token for e in client.generate(request)] == [7]
+    finally:
+        server.stop(0)
+
+
 def test_tls_config_validation():
     with pytest.raises(ValueError, match="cert_chain and private_key"):
         TlsConfig(cert_chain=b"x")
@@ -191,6 +223,8 @@ def test_tls_config_validation():
             tls=TlsConfig(),
         )
     with pytest.raises(ValueError, match="address"):
-        serve("no-port", generate=lambda request: iter(()))
+        serve("no-port", decode=lambda request: iter(()))
+    with pytest.raises(ValueError, match="address"):
+        serve_router("no-port", _no_tokens)
     with pytest.raises(ValueError, match="store/identity"):
         serve("127.0.0.1:0", store=TicketStore(ControlConfig(1, 1, 1, 1), print))

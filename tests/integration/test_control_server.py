@@ -15,7 +15,6 @@ from transfer.control import (
     ControlError,
     DecodeRequest,
     FreeReason,
-    GenerateRequest,
     HandshakeReply,
     PrefillRequest,
     Ticket,
@@ -24,7 +23,7 @@ from transfer.control import (
     compat_hash,
     make_compat,
 )
-from transfer.control.client import DecodeClient, PrefillClient, RouterClient, TransferClient
+from transfer.control.client import DecodeClient, PrefillClient, TransferClient
 from transfer.control.gen import transfer_pb2
 from transfer.control.server import serve
 
@@ -274,17 +273,9 @@ def test_worker_services_speak_dataclasses():
                 kv_bytes=64 * (i == 0),
             )
 
-    def generate(request: GenerateRequest):
-        ticket = prefill(PrefillRequest(request.request_id, request.prompt_ids, request.max_tokens))
-        yield from decode(DecodeRequest(ticket, request.max_tokens))
-
-    server = serve("127.0.0.1:0", prefill=prefill, decode=decode, generate=generate)
+    server = serve("127.0.0.1:0", prefill=prefill, decode=decode)
     try:
-        with (
-            PrefillClient(server.address) as p,
-            DecodeClient(server.address) as d,
-            RouterClient(server.address) as r,
-        ):
+        with PrefillClient(server.address) as p, DecodeClient(server.address) as d:
             ticket = p.prefill(PrefillRequest("r1", (1, 2, 3), 2))
             assert ticket.num_tokens == 3 and ticket.first_token == 99
             events = list(d.decode(DecodeRequest(ticket, 3)))
@@ -293,7 +284,6 @@ def test_worker_services_speak_dataclasses():
                 and events[-1].finished
                 and events[0].kv_bytes == 64
             )
-            assert [e.index for e in r.generate(GenerateRequest("g1", (4,), 2))] == [0, 1]
             with pytest.raises(ControlError) as info:
                 p.prefill(PrefillRequest("bad", (1,), 1))
             assert info.value.code == "INVALID_ARGUMENT" and "prompt_ids" in info.value.details

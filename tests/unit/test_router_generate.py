@@ -1,6 +1,10 @@
-"""Router.generate's retry rule and outcome counter, with its attempts injected."""
+"""Router.generate's retry rule and outcome counter, with its attempts injected.
+
+`generate` drives `agenerate` on the router's own event loop, so these run both."""
 
 from __future__ import annotations
+
+import asyncio
 
 import pytest
 
@@ -28,12 +32,17 @@ def _inject(router: Router, monkeypatch, attempts: list) -> list[int]:
     or a list of events. Returns the list of call numbers made."""
     calls: list[int] = []
 
-    def attempt(request):
+    async def attempt(request):
         calls.append(len(calls))
         outcome = attempts[len(calls) - 1]
         if isinstance(outcome, Exception):
             raise outcome
-        yield from outcome
+        if isinstance(outcome, list):
+            for event in outcome:
+                yield event
+        else:
+            async for event in outcome:
+                yield event
 
     monkeypatch.setattr(router, "_attempt", attempt)
     return calls
@@ -73,8 +82,8 @@ def test_the_last_attempt_failing_is_raised(router, monkeypatch):
 
 
 def test_a_failure_after_the_first_token_is_not_retried(router, monkeypatch):
-    def broken():
-        yield from _events(2)[:1]
+    async def broken():
+        yield _events(2)[0]
         raise ControlError("UNAVAILABLE", "decode died")
 
     calls = _inject(router, monkeypatch, [broken(), _events(2)])
@@ -104,3 +113,26 @@ def test_a_refusal_before_the_first_token_is_raised_at_once_not_retried(router, 
         next(stream)
     assert len(calls) == 1
     assert _count(router, "failed") == 1
+
+
+def test_a_caller_cancelled_while_waiting_counts_as_ok(router, monkeypatch):
+    # A gRPC caller that hangs up cancels the handler's task mid-stream.
+    async def stalled():
+        yield _events(2)[0]
+        await asyncio.Event().wait()
+
+    _inject(router, monkeypatch, [stalled()])
+
+    async def read_one_then_cancel():
+        stream = router.agenerate(REQUEST)
+        first = await anext(stream)
+        reader = asyncio.ensure_future(anext(stream))
+        await asyncio.sleep(0)
+        reader.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await reader
+        await stream.aclose()
+        return first.token
+
+    assert asyncio.run(read_one_then_cancel()) == 10
+    assert _count(router, "ok") == 1 and _count(router, "failed") == 0

@@ -96,33 +96,51 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
         self._expected = f"Bearer {token}".encode()
         self._open = open_methods
 
-    def intercept_service(self, continuation, handler_call_details):
+    def allows(self, handler_call_details: grpc.HandlerCallDetails) -> bool:
         if handler_call_details.method in self._open:
-            return continuation(handler_call_details)
+            return True
         sent = [
             v for k, v in handler_call_details.invocation_metadata or () if k == AUTH_METADATA_KEY
         ]
-        if (
+        return (
             len(sent) == 1
             and isinstance(sent[0], str)
             and hmac.compare_digest(sent[0].encode(), self._expected)
-        ):
-            return continuation(handler_call_details)
-        return _deny(continuation(handler_call_details))
+        )
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        return handler if self.allows(handler_call_details) else _deny(handler, _reject)
+
+
+class AsyncTokenAuthInterceptor(grpc.aio.ServerInterceptor):
+    """TokenAuthInterceptor for a grpc.aio server."""
+
+    def __init__(self, token: str, open_methods: frozenset[str] = OPEN_METHODS):
+        self._check = TokenAuthInterceptor(token, open_methods)
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        return handler if self._check.allows(handler_call_details) else _deny(handler, _areject)
+
+
+_DENIED = "missing or invalid token in 'authorization' metadata"
 
 
 def _reject(request, context):
-    context.abort(
-        grpc.StatusCode.UNAUTHENTICATED, "missing or invalid token in 'authorization' metadata"
-    )
+    context.abort(grpc.StatusCode.UNAUTHENTICATED, _DENIED)
 
 
-def _deny(handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler:
+async def _areject(request, context):
+    await context.abort(grpc.StatusCode.UNAUTHENTICATED, _DENIED)
+
+
+def _deny(handler: grpc.RpcMethodHandler | None, reject) -> grpc.RpcMethodHandler:
     # The denying handler must have the same streaming shape as the method it replaces.
     if handler is None or not (handler.request_streaming or handler.response_streaming):
-        return grpc.unary_unary_rpc_method_handler(_reject)
+        return grpc.unary_unary_rpc_method_handler(reject)
     if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(_reject)
+        return grpc.stream_stream_rpc_method_handler(reject)
     if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(_reject)
-    return grpc.unary_stream_rpc_method_handler(_reject)
+        return grpc.stream_unary_rpc_method_handler(reject)
+    return grpc.unary_stream_rpc_method_handler(reject)

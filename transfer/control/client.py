@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 import grpc
@@ -219,6 +219,10 @@ class DecodeClient(_Client):
     def decode(self, request: DecodeRequest) -> Iterator[TokenEvent]:
         """The request's token stream, over the shared DecodeMany call."""
         return self._mux.decode(request)
+
+    def adecode(self, request: DecodeRequest) -> AsyncIterator[TokenEvent]:
+        """`decode` for a coroutine on the running event loop."""
+        return self._mux.adecode(request)
 
     def close(self, wait_s: float | None = None) -> None:
         self._mux.close()

@@ -6,6 +6,7 @@ import threading
 from collections.abc import Callable, Iterable
 from concurrent import futures
 from dataclasses import dataclass
+from typing import Protocol
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -17,13 +18,11 @@ from transfer.control.gen import transfer_pb2, transfer_pb2_grpc, worker_pb2, wo
 from transfer.control.service import (
     DecodeServicer,
     PrefillServicer,
-    RouterServicer,
     TransferServicer,
 )
 from transfer.control.tickets import TicketStore
 from transfer.control.types import (
     DecodeRequest,
-    GenerateRequest,
     HandshakeReply,
     PrefillRequest,
     StageRequest,
@@ -42,6 +41,20 @@ ROUTER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["RouterService"].full_na
 RANKS_HEALTH = "pdxfer.ranks"
 
 
+class _Server(Protocol):
+    """What ControlServer needs of a server: grpc.Server, or an aio one on its own loop."""
+
+    def stop(self, grace: float | None) -> threading.Event: ...
+
+    def wait_for_termination(self, timeout: float | None = None) -> bool: ...
+
+
+class _Health(Protocol):
+    def set(self, service: str, status: int) -> None: ...
+
+    def enter_graceful_shutdown(self) -> None: ...
+
+
 @dataclass
 class ControlServer:
     """A started server. `address` is "host:port" with the port actually bound."""
@@ -49,8 +62,8 @@ class ControlServer:
     host: str
     port: int
     services: tuple[str, ...]
-    _server: grpc.Server
-    _health: health.HealthServicer
+    _server: _Server
+    _health: _Health
     # set while NOT_SERVING: calls that are open already (DecodeMany) start nothing new
     _draining: threading.Event
 
@@ -87,6 +100,31 @@ class ControlServer:
         return self._server.wait_for_termination(timeout)
 
 
+def host_of(address: str) -> str:
+    """The host of "host:port"; InvalidInput naming `address` for anything else."""
+    host, sep, port_text = address.rpartition(":")
+    if not sep or not host or not port_text.isdigit():
+        raise InvalidInput(f"address: expected 'host:port', got {address!r}")
+    return host
+
+
+def add_common_services(
+    server, health_servicer, services: list[str], address: str, tls: TlsConfig | None
+) -> int:
+    """Health and reflection beside `services`, and the listening port (the one bound)."""
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (*services, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
+    if tls is None:
+        port = server.add_insecure_port(address)
+    else:
+        port = server.add_secure_port(address, server_credentials(tls))
+    if port == 0:
+        raise InvalidInput(f"address: could not bind {address!r}")
+    return port
+
+
 class MalformedRequestInterceptor(grpc.ServerInterceptor):
     """Answers INVALID_ARGUMENT, instead of grpc's INTERNAL, for request bytes that do not parse.
 
@@ -98,17 +136,10 @@ class MalformedRequestInterceptor(grpc.ServerInterceptor):
         handler = continuation(handler_call_details)
         if handler is None or handler.request_streaming or handler.request_deserializer is None:
             return handler
-        method, parse = handler_call_details.method, handler.request_deserializer
         behavior = handler.unary_stream if handler.response_streaming else handler.unary_unary
 
-        def safe_parse(raw: bytes):
-            try:
-                return parse(raw)
-            except Exception as exc:
-                return _Malformed(f"request: not a valid message for {method} ({exc})")
-
         def guarded(request, context):
-            if isinstance(request, _Malformed):
+            if isinstance(request, Malformed):
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.details)
             return behavior(request, context)
 
@@ -119,14 +150,29 @@ class MalformedRequestInterceptor(grpc.ServerInterceptor):
         )
         return make(
             guarded,
-            request_deserializer=safe_parse,
+            request_deserializer=safe_parser(handler, handler_call_details.method),
             response_serializer=handler.response_serializer,
         )
 
 
 @dataclass(frozen=True)
-class _Malformed:
+class Malformed:
+    """What a request that did not parse becomes: the handler aborts with `details`."""
+
     details: str
+
+
+def safe_parser(handler: grpc.RpcMethodHandler, method: str) -> Callable[[bytes], object]:
+    """The handler's request parser, returning Malformed instead of raising."""
+    parse = handler.request_deserializer
+
+    def safe_parse(raw: bytes):
+        try:
+            return parse(raw)
+        except Exception as exc:
+            return Malformed(f"request: not a valid message for {method} ({exc})")
+
+    return safe_parse
 
 
 SERVER_KEEPALIVE_OPTIONS = (
@@ -147,7 +193,6 @@ def serve(
     stage: Callable[[StageRequest], int] | None = None,
     prefill: Callable[[PrefillRequest, Callable[[], bool]], Ticket] | None = None,
     decode: Callable[[DecodeRequest], Iterable[TokenEvent]] | None = None,
-    generate: Callable[[GenerateRequest], Iterable[TokenEvent]] | None = None,
     register_prefill: Callable[[list[str]], None] | None = None,
     decode_start: StartDecode | None = None,
     token: str | None = None,
@@ -158,16 +203,14 @@ def serve(
     """Start a server on `address` ("host:port"; port 0 picks one) hosting the given services.
 
     `store` + `identity` host TransferService (a prefill instance; `stage` packs a held
-    ticket's ranges into staging and returns the extent's offset); `prefill`,
-    `decode`, `generate` host the worker and router services with dataclass
-    handlers (`decode_start`: an engine's submit, which DecodeMany then uses: one message
+    ticket's ranges into staging and returns the extent's offset); `prefill` and
+    `decode` host the worker services with dataclass handlers (the router's service
+    runs on grpc.aio: `transfer.control.aio_server`) (`decode_start`: an engine's submit, which DecodeMany then uses: one message
     per engine step). `token` requires `authorization: Bearer <token>` on every call
     except health checks; `tls` serves TLS (mTLS when `tls.ca` is set).
     `health_only` allows no other service (a follower node of a multi-node instance).
     """
-    host, sep, port_text = address.rpartition(":")
-    if not sep or not host or not port_text.isdigit():
-        raise InvalidInput(f"address: expected 'host:port', got {address!r}")
+    host = host_of(address)
     if (store is None) != (identity is None):
         raise InvalidInput("store/identity: TransferService needs both")
     interceptors = [TokenAuthInterceptor(token)] if token else []
@@ -195,24 +238,10 @@ def serve(
             DecodeServicer(decode, register_prefill, draining, decode_start), server
         )
         services.append(DECODE_SERVICE)
-    if generate is not None:
-        worker_pb2_grpc.add_RouterServiceServicer_to_server(RouterServicer(generate), server)
-        services.append(ROUTER_SERVICE)
     if not services and not health_only:
-        raise InvalidInput(
-            "serve: no service to host (give store+identity, prefill, decode or generate)"
-        )
+        raise InvalidInput("serve: no service to host (give store+identity, prefill or decode)")
     health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (*services, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-    )
-    if tls is None:
-        port = server.add_insecure_port(address)
-    else:
-        port = server.add_secure_port(address, server_credentials(tls))
-    if port == 0:
-        raise InvalidInput(f"address: could not bind {address!r}")
+    port = add_common_services(server, health_servicer, services, address, tls)
     server.start()
     started = ControlServer(host, port, tuple(services), server, health_servicer, draining)
     started.set_serving(True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 
 import grpc
 
@@ -172,15 +172,18 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
 
 
 class RouterServicer(worker_pb2_grpc.RouterServiceServicer):
-    """Hosts `generate(GenerateRequest) -> Iterable[TokenEvent]` as RouterService."""
+    """Hosts `generate(GenerateRequest) -> AsyncIterator[TokenEvent]` as RouterService, on
+    a grpc.aio server."""
 
-    def __init__(self, generate: Callable[[GenerateRequest], Iterable[TokenEvent]]):
+    def __init__(self, generate: Callable[[GenerateRequest], AsyncIterator[TokenEvent]]):
         self._generate = generate
 
-    def Generate(self, request, context):
-        yield from stream(
-            context, lambda m: self._generate(convert.generate_request_from_pb(m)), request
-        )
+    async def Generate(self, request, context):
+        try:
+            async for event in self._generate(convert.generate_request_from_pb(request)):
+                yield convert.token_event_to_pb(event)
+        except Exception as exc:  # every failure becomes a status, never a hung call
+            await context.abort(*_grpc_status(exc))
 
 
 def unary(context: grpc.ServicerContext, fn: Callable, request):
@@ -199,7 +202,11 @@ def stream(context: grpc.ServicerContext, fn: Callable, request) -> Iterator[wor
 
 
 def _abort(context: grpc.ServicerContext, exc: Exception) -> None:
+    context.abort(*_grpc_status(exc))
+
+
+def _grpc_status(exc: Exception) -> tuple[grpc.StatusCode, str]:
     code, details = status_of(exc)
     if code == GrpcCode.INTERNAL:
         logger.exception("control-plane call failed")
-    context.abort(getattr(grpc.StatusCode, code), details)
+    return getattr(grpc.StatusCode, code), details

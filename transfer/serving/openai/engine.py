@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 from transfer.control.types import GenerateRequest, SamplingParams, TokenEvent
 from transfer.serving.openai.router import Router
@@ -21,13 +21,21 @@ class RouterEngine:
     def generate(
         self, request_id: str, prompt_ids: list[int], sampling: Sampling
     ) -> Iterator[TokenEvent]:
-        seed = None if sampling.seed is None else sampling.seed % (1 << 64)
-        params = SamplingParams(sampling.temperature, sampling.top_p, seed)
-        request = GenerateRequest(request_id, tuple(prompt_ids), sampling.max_tokens, params)
-        return self.router.generate(request)
+        return self.router.generate(_request(request_id, prompt_ids, sampling))
+
+    def agenerate(
+        self, request_id: str, prompt_ids: list[int], sampling: Sampling
+    ) -> AsyncIterator[TokenEvent]:
+        return self.router.agenerate(_request(request_id, prompt_ids, sampling))
 
     def is_ready(self) -> bool:
         return self.router.is_ready()
 
     def degraded(self) -> list[str]:
         return self.router.degraded()
+
+
+def _request(request_id: str, prompt_ids: list[int], sampling: Sampling) -> GenerateRequest:
+    seed = None if sampling.seed is None else sampling.seed % (1 << 64)
+    params = SamplingParams(sampling.temperature, sampling.top_p, seed)
+    return GenerateRequest(request_id, tuple(prompt_ids), sampling.max_tokens, params)

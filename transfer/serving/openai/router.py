@@ -7,16 +7,23 @@ such a hint, in turn. A prefill that fails for a reason another instance might n
 input is not. A request
 the router drops after prefill is Aborted at its prefill instance, so the cache is freed
 at once rather than when the lease runs out.
+
+A request runs as a coroutine on its front end's event loop (the gRPC server's, or the
+HTTP server's); its tokens arrive there a decode step at a time, and only the blocking
+unary calls take one of the router's threads.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import itertools
 import logging
 import secrets
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 from prometheus_client import CollectorRegistry, Counter
@@ -56,6 +63,7 @@ DOWN_S = 5.0
 # this long (it may still be starting); later, a request's first ticket registers its prefill.
 INTRODUCE_RETRY_S = 0.5
 INTRODUCE_FOR_S = 120.0
+ROUTER_THREADS = 64
 
 
 class RouterMetrics:
@@ -144,7 +152,10 @@ class Router:
         decode: Sequence[str],
         options: ClientOptions | None = None,
         metrics: RouterMetrics | None = None,
+        threads: int = ROUTER_THREADS,
     ) -> None:
+        """`threads` bounds the blocking calls (Prefill, Abort, RegisterPrefill) in flight;
+        more wait their turn."""
         if not prefill:
             raise ValueError("prefill: the router needs at least one --prefill HOST:PORT")
         if not decode:
@@ -161,6 +172,8 @@ class Router:
         self._transfer_clients: dict[str, TransferClient] = {}
         self._registered: set[tuple[str, str]] = set()  # (decode target, prefill address)
         self._closed = threading.Event()
+        self._threads = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="router")
+        self._loop: asyncio.AbstractEventLoop | None = None  # `generate`'s, started on first use
         health = {"timeout_s": HEALTH_TIMEOUT_S}
         self._health = (
             _Pool(prefill, lambda t, a: TransferClient(t, **self._kwargs(a, **health))),
@@ -175,10 +188,11 @@ class Router:
         timeout = self.options.timeout_s if timeout_s is None else timeout_s
         return {"token": self.options.token, "tls": tls, "timeout_s": timeout}
 
-    def generate(self, request: GenerateRequest) -> Iterator[TokenEvent]:
+    async def agenerate(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
         """Stream the request's tokens; the first event's `ttft_ms` is measured here. A decode
         that fails before the first token, for a reason a retry may not share (its transfer
-        failed, an instance went away), is run once more from prefill on the next instances."""
+        failed, an instance went away), is run once more from prefill on the next instances.
+        Runs on the caller's event loop; the blocking calls go to the router's threads."""
         start = time.perf_counter()
         status = "failed"
         if request.sampling.seed is None and not request.sampling.greedy:
@@ -189,7 +203,7 @@ class Router:
             for attempt in range(DECODE_ATTEMPTS):
                 first = True
                 try:
-                    for event in self._attempt(request):
+                    async for event in self._attempt(request):
                         if first:
                             event = replace(event, ttft_ms=(time.perf_counter() - start) * 1e3)
                             first = False
@@ -204,26 +218,58 @@ class Router:
                     self.metrics.decode_retries.inc()
                     self._decode.forget()
             status = "ok"
-        except GeneratorExit:
+        except (GeneratorExit, asyncio.CancelledError):
             # The caller stopped reading (EOS, a stop string, a client gone): nothing failed.
             status = "ok"
             raise
         finally:
             self.metrics.requests.labels(status=status).inc()
 
-    def _attempt(self, request: GenerateRequest) -> Iterator[TokenEvent]:
-        ticket, prefill_at = self._run_prefill(request)
+    def generate(self, request: GenerateRequest) -> Iterator[TokenEvent]:
+        """`agenerate` for a thread: each event is awaited on the router's own event loop."""
+        loop = self._own_loop()
+        events = self.agenerate(request)
+        try:
+            while True:
+                try:
+                    yield asyncio.run_coroutine_threadsafe(anext(events), loop).result()
+                except StopAsyncIteration:
+                    return
+        finally:
+            asyncio.run_coroutine_threadsafe(events.aclose(), loop).result()
+
+    async def _attempt(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
+        ticket, prefill_at = await self._prefill_on_thread(request)
         if ticket.address.rpartition(":")[0] in UNSPECIFIED_HOSTS:
             ticket = replace(ticket, address=prefill_at)
         first = True
         try:
-            for event in self._run_decode(ticket, request.max_tokens, request.sampling):
+            async for event in self._run_decode(ticket, request.max_tokens, request.sampling):
                 first = False
                 yield event
         finally:
             if first:
                 # Nothing reached the caller: free the prefill cache now, not at lease end.
-                self._abort(ticket, "router dropped the request")
+                self._abort_soon(ticket, "router dropped the request")
+
+    async def _prefill_on_thread(self, request: GenerateRequest) -> tuple[Ticket, str]:
+        """`_run_prefill` on a router thread. A caller cancelled meanwhile still gets its
+        ticket Aborted once the prefill returns."""
+        running = asyncio.wrap_future(self._threads.submit(self._run_prefill, request))
+        try:
+            return await asyncio.shield(running)
+        except asyncio.CancelledError:
+            running.add_done_callback(self._abort_unclaimed)
+            raise
+
+    def _abort_unclaimed(self, prefill: asyncio.Future) -> None:
+        if not prefill.cancelled() and prefill.exception() is None:
+            ticket, _ = prefill.result()
+            self._abort_soon(ticket, "caller gone before its first token")
+
+    def _abort_soon(self, ticket: Ticket, reason: str) -> None:
+        with contextlib.suppress(RuntimeError):  # the router is closing: the lease frees it
+            self._threads.submit(self._abort, ticket, reason)
 
     def is_ready(self) -> bool:
         """Whether at least one prefill and one decode instance answer health SERVING."""
@@ -279,9 +325,9 @@ class Router:
             raise ControlError(GrpcCode.UNAVAILABLE, "no prefill instance resolved")
         raise last  # every instance failed: the last one's code (RESOURCE_EXHAUSTED if all full)
 
-    def _run_decode(
+    async def _run_decode(
         self, ticket, max_tokens: int, sampling: SamplingParams
-    ) -> Iterator[TokenEvent]:
+    ) -> AsyncIterator[TokenEvent]:
         routes = self._routes[ServeRole.DECODE]
         ordered = _ordered(self._decode.order(), routes, ticket.block_hashes)
         targets = self._decode.up_first(ordered)
@@ -290,8 +336,12 @@ class Router:
         target, client = targets[0]
         routes.started(target)
         try:
-            self._register(target, client, ticket.address)
-            yield from client.decode(DecodeRequest(ticket, max_tokens, sampling))
+            if (target, ticket.address) not in self._registered:
+                await asyncio.wrap_future(
+                    self._threads.submit(self._register, target, client, ticket.address)
+                )
+            async for event in client.adecode(DecodeRequest(ticket, max_tokens, sampling)):
+                yield event
             routes.record(target, ticket.block_hashes)
         except ControlError as exc:
             with self._transfer_lock:  # it may have restarted and forgotten: register again
@@ -354,8 +404,21 @@ class Router:
         except (ControlError, ValueError) as exc:
             logger.info("abort of %r at %s: %s", request_id, address, exc)
 
+    def _own_loop(self) -> asyncio.AbstractEventLoop:
+        with self._transfer_lock:
+            if self._loop is None:
+                self._loop = asyncio.new_event_loop()
+                threading.Thread(target=self._loop.run_forever, name="router-loop",
+                                 daemon=True).start()  # fmt: skip
+            return self._loop
+
     def close(self) -> None:
         self._closed.set()
+        self._threads.shutdown(wait=False, cancel_futures=True)
+        with self._transfer_lock:
+            loop, self._loop = self._loop, None
+        if loop is not None:
+            loop.call_soon_threadsafe(loop.stop)
         self._prefill.close()
         self._decode.close()
         for pool in self._health:

@@ -1,4 +1,5 @@
-"""How the HTTP app waits on the engine: its blocking token stream on a thread, SSE
+"""How the HTTP app waits on the engine: its async token stream on the app's event loop
+(or a blocking one on a thread), SSE
 responses that start only once the request is admitted, and work cancelled when the
 client goes away.
 
@@ -11,6 +12,7 @@ for it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -29,6 +31,9 @@ class Engine(Protocol):
     def generate(self, request_id: str, prompt_ids: list[int], sampling: Sampling) -> Iterator:
         """Yields events with `.token`, `.logprob` (or None) and `.finished`."""
 
+    # Optional, and taken first: `agenerate(...) -> AsyncIterator`, the same events for a
+    # coroutine on the app's event loop.
+
     def is_ready(self) -> bool: ...
 
     # Optional: `degraded() -> list[str]`, the instances serving but stalled (a TP rank
@@ -39,8 +44,15 @@ _DONE = object()
 
 
 async def engine_tokens(engine: Engine, request_id: str, ids: list[int], sampling: Sampling):
-    """The engine's blocking token stream, consumed on a thread; closing this async
-    iterator (client gone) closes the engine's stream after its next event."""
+    """The engine's token stream. An engine's `agenerate` runs here; a blocking
+    `generate` is consumed on a thread. Closing this async iterator (client gone) closes
+    the engine's stream (a blocking one after its next event)."""
+    agenerate = getattr(engine, "agenerate", None)
+    if agenerate is not None:
+        async with contextlib.aclosing(agenerate(request_id, ids, sampling)) as events:
+            async for event in events:
+                yield event
+        return
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
     cancelled = threading.Event()

@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 
+from transfer.control.aio_server import serve_router
 from transfer.control.client import ClientOptions
 from transfer.control.metrics import WorkerMetrics, serve_metrics
 from transfer.control.server import serve as serve_control
@@ -78,7 +79,8 @@ def _announce(role: str, server, metrics_server, http=None) -> None:
 
 
 def _threads(options: ServeOptions) -> int:
-    """gRPC handler threads: a streaming call holds one for its whole life."""
+    """gRPC handler threads (a streaming call holds one for its whole life), and the
+    router's threads for its blocking calls."""
     return max(16, 2 * options.max_seqs + options.max_queue + 8)
 
 
@@ -93,13 +95,15 @@ def _serve_router(
     options: ServeOptions, token, server_tls, client_tls, stop: threading.Event
 ) -> int:
     metrics = RouterMetrics()
-    router = Router(options.prefill, options.decode, ClientOptions(token, client_tls), metrics)
-    server = serve_control(
-        join_address(options.host, options.port),
-        generate=router.generate,
-        token=token,
-        tls=server_tls,
-        max_workers=_threads(options),
+    router = Router(
+        options.prefill,
+        options.decode,
+        ClientOptions(token, client_tls),
+        metrics,
+        threads=_threads(options),
+    )
+    server = serve_router(
+        join_address(options.host, options.port), router.agenerate, token=token, tls=server_tls
     )
     metrics_server = _metrics(options, metrics)
     try:
