@@ -27,8 +27,8 @@ from transfer.control.server import (
     ControlServer,
     Malformed,
     add_common_services,
+    guarded_handler,
     host_of,
-    safe_parser,
 )
 from transfer.control.service import RouterServicer
 from transfer.control.types import GenerateRequest, TokenEvent
@@ -154,13 +154,4 @@ class AsyncMalformedRequestInterceptor(grpc.aio.ServerInterceptor):
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.details)
                 return await behavior(request, context)
 
-        make = (
-            grpc.unary_stream_rpc_method_handler
-            if handler.response_streaming
-            else grpc.unary_unary_rpc_method_handler
-        )
-        return make(
-            guarded,
-            request_deserializer=safe_parser(handler, handler_call_details.method),
-            response_serializer=handler.response_serializer,
-        )
+        return guarded_handler(handler, guarded, handler_call_details.method)

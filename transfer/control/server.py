@@ -143,16 +143,24 @@ class MalformedRequestInterceptor(grpc.ServerInterceptor):
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.details)
             return behavior(request, context)
 
-        make = (
-            grpc.unary_stream_rpc_method_handler
-            if handler.response_streaming
-            else grpc.unary_unary_rpc_method_handler
-        )
-        return make(
-            guarded,
-            request_deserializer=safe_parser(handler, handler_call_details.method),
-            response_serializer=handler.response_serializer,
-        )
+        return guarded_handler(handler, guarded, handler_call_details.method)
+
+
+def guarded_handler(
+    handler: grpc.RpcMethodHandler, guarded: Callable, method: str
+) -> grpc.RpcMethodHandler:
+    """`handler` (unary request) with `guarded` as its behavior, which receives Malformed
+    for request bytes that do not parse."""
+    make = (
+        grpc.unary_stream_rpc_method_handler
+        if handler.response_streaming
+        else grpc.unary_unary_rpc_method_handler
+    )
+    return make(
+        guarded,
+        request_deserializer=safe_parser(handler, method),
+        response_serializer=handler.response_serializer,
+    )
 
 
 @dataclass(frozen=True)
