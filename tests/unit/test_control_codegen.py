@@ -19,6 +19,7 @@ GEN_ALLOWED = {
     "convert.py",
     "service.py",
     "server.py",
+    "aio_server.py",
     "client.py",
     "decode_many.py",
     "decode_mux.py",
