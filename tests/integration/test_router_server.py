@@ -4,6 +4,7 @@ and health, reflection, drain and stop behave as on the sync servers."""
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -75,3 +76,35 @@ def test_health_reflection_drain_and_stop(server):
     with RouterClient(server.address, timeout_s=2) as client, pytest.raises(ControlError) as info:
         list(client.generate(GenerateRequest("late", (4,), 1)))
     assert info.value.code in ("UNAVAILABLE", "DEADLINE_EXCEEDED")
+
+
+def test_streams_are_not_bound_by_threads():
+    # Every stream waits until all of them are open: a server with a thread per stream,
+    # and fewer threads than streams, would never answer any.
+    streams = 48
+    opened: list[int] = []
+    everyone: asyncio.Event | None = None
+
+    async def generate(request: GenerateRequest):
+        nonlocal everyone
+        everyone = everyone or asyncio.Event()
+        opened.append(1)
+        if len(opened) == streams:
+            everyone.set()
+        await everyone.wait()
+        yield TokenEvent(request.request_id, 7, 0, True)
+
+    server = serve_router("127.0.0.1:0", generate)
+    try:
+        with (
+            RouterClient(server.address, timeout_s=20) as client,
+            ThreadPoolExecutor(streams) as pool,
+        ):
+            calls = [
+                pool.submit(lambda i=i: list(client.generate(GenerateRequest(f"s{i}", (1,), 1))))
+                for i in range(streams)
+            ]
+            tokens = [[e.token for e in call.result(timeout=30)] for call in calls]
+        assert tokens == [[7]] * streams
+    finally:
+        server.stop(0)
