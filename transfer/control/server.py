@@ -212,10 +212,11 @@ def serve(
 
     `store` + `identity` host TransferService (a prefill instance; `stage` packs a held
     ticket's ranges into staging and returns the extent's offset); `prefill` and
-    `decode` host the worker services with dataclass handlers (the router's service
-    runs on grpc.aio: `transfer.control.aio_server`) (`decode_start`: an engine's submit, which DecodeMany then uses: one message
-    per engine step). `token` requires `authorization: Bearer <token>` on every call
-    except health checks; `tls` serves TLS (mTLS when `tls.ca` is set).
+    `decode` host the worker services with dataclass handlers (`decode_start`: an
+    engine's submit, which DecodeMany then uses: one message per engine step). The
+    router's service runs on grpc.aio instead (`transfer.control.aio_server`). `token`
+    requires `authorization: Bearer <token>` on every call except health checks; `tls`
+    serves TLS (mTLS when `tls.ca` is set).
     `health_only` allows no other service (a follower node of a multi-node instance).
     """
     host = host_of(address)
