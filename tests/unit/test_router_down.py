@@ -3,7 +3,7 @@ then in turn again (so a restarted instance gets requests back)."""
 
 from __future__ import annotations
 
-from transfer.serving.openai import router as router_module
+from transfer.serving.openai import instance_pool
 from transfer.serving.openai.router import Router
 
 DEAD, LIVE = "127.0.0.1:2", "127.0.0.1:3"
@@ -22,7 +22,7 @@ def test_a_down_instance_goes_last_until_its_mark_lapses(monkeypatch):
         pool.mark_down(DEAD)
         assert _firsts(pool) == {LIVE}
         assert [t for t, _ in pool.up_first(pool.order())] == [LIVE, DEAD]  # still tried
-        monkeypatch.setattr(router_module, "DOWN_S", 0.0)
+        monkeypatch.setattr(instance_pool, "DOWN_S", 0.0)
         pool.mark_down(DEAD)  # a mark that has already lapsed
         assert _firsts(pool) == {DEAD, LIVE}
     finally:

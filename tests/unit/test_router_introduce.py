@@ -7,7 +7,7 @@ import threading
 
 from transfer.control.server import serve
 from transfer.net import free_port
-from transfer.serving.openai import router as router_module
+from transfer.serving.openai import introductions
 from transfer.serving.openai.router import Router
 
 PREFILLS = ["127.0.0.1:1", "127.0.0.1:2"]  # never dialled: only their addresses travel
@@ -18,7 +18,7 @@ def _refuse(request):
 
 
 def test_every_prefill_is_registered_with_a_decode_that_comes_up_late(monkeypatch):
-    monkeypatch.setattr(router_module, "INTRODUCE_RETRY_S", 0.05)
+    monkeypatch.setattr(introductions, "INTRODUCE_RETRY_S", 0.05)
     address = f"127.0.0.1:{free_port()}"
     router = Router(PREFILLS, [address])
     registered: list[str] = []
@@ -38,7 +38,7 @@ def test_every_prefill_is_registered_with_a_decode_that_comes_up_late(monkeypatc
         assert not introducing.is_alive()
         assert sorted(registered) == PREFILLS
         # a request's first ticket from a registered prefill registers nothing again
-        router._register(address, router._decode.order()[0][1], PREFILLS[0])
+        router._introductions.register(address, router._decode.order()[0][1], PREFILLS[0])
         assert sorted(registered) == PREFILLS
     finally:
         router.close()

@@ -8,7 +8,8 @@ from pathlib import Path
 
 from transfer.serving.addresses import join_address
 from transfer.serving.engine.serve_options import ServeOptions
-from transfer.serving.openai.router import Router, RouterMetrics
+from transfer.serving.openai.metrics import RouterMetrics
+from transfer.serving.openai.router import Router
 
 logger = logging.getLogger("pdxfer.serve")
 

@@ -1,10 +1,34 @@
-"""The HTTP front end's latency histograms and cancel counter, on the router's registry."""
+"""The router's Prometheus metrics: its Generate outcomes and retries (`RouterMetrics`, the
+registry), and the HTTP front end's latency histograms and cancel counter on it."""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class RouterMetrics:
+    """The router's own Prometheus registry (it holds no cache, so no pool gauges)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "pdxfer_router_requests",
+            "Generate calls by outcome",
+            ["status"],
+            registry=self.registry,
+        )
+        self.prefill_retries = Counter(
+            "pdxfer_router_prefill_retries",
+            "Prefill calls retried on another instance",
+            registry=self.registry,
+        )
+        self.decode_retries = Counter(
+            "pdxfer_router_decode_retries",
+            "Requests run again after a decode failed before its first token",
+            registry=self.registry,
+        )
 
 
 class HttpMetrics:

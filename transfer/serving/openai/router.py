@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import secrets
 import threading
@@ -26,12 +25,9 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
-from prometheus_client import CollectorRegistry, Counter
-
 from transfer.cache.prefix_cache import block_hashes
 from transfer.control.client import ClientOptions, DecodeClient, PrefillClient, TransferClient
 from transfer.control.errors import ControlError, GrpcCode
-from transfer.control.server import RANKS_HEALTH
 from transfer.control.types import (
     DecodeRequest,
     GenerateRequest,
@@ -40,7 +36,10 @@ from transfer.control.types import (
     Ticket,
     TokenEvent,
 )
-from transfer.serving.addresses import UNSPECIFIED_HOSTS, resolve, split_address
+from transfer.serving.addresses import UNSPECIFIED_HOSTS, split_address
+from transfer.serving.openai.instance_pool import InstancePool, any_serving, by_prefix, stalled
+from transfer.serving.openai.introductions import Introductions
+from transfer.serving.openai.metrics import RouterMetrics
 from transfer.serving.openai.prefix_routes import PrefixRoutes, learn_block_size
 from transfer.serving.role import INSTANCE_ROLES, ServeRole
 
@@ -56,91 +55,7 @@ RETRY_CODES = frozenset(
 DECODE_RETRY_CODES = frozenset({GrpcCode.UNAVAILABLE, GrpcCode.ABORTED, GrpcCode.PERMISSION_DENIED})
 DECODE_ATTEMPTS = 2
 HEALTH_TIMEOUT_S = 2.0
-# An instance that answered UNAVAILABLE (dead, or restarting) is tried after the others for
-# this long; then it is tried in turn again, so one that came back gets requests again.
-DOWN_S = 5.0
-# `introduce` retries a decode instance that did not take its prefill list this often, for
-# this long (it may still be starting); later, a request's first ticket registers its prefill.
-INTRODUCE_RETRY_S = 0.5
-INTRODUCE_FOR_S = 120.0
 ROUTER_THREADS = 64
-
-
-class RouterMetrics:
-    """The router's own Prometheus registry (it holds no cache, so no pool gauges)."""
-
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        self.requests = Counter(
-            "pdxfer_router_requests",
-            "Generate calls by outcome",
-            ["status"],
-            registry=self.registry,
-        )
-        self.prefill_retries = Counter(
-            "pdxfer_router_prefill_retries",
-            "Prefill calls retried on another instance",
-            registry=self.registry,
-        )
-        self.decode_retries = Counter(
-            "pdxfer_router_decode_retries",
-            "Requests run again after a decode failed before its first token",
-            registry=self.registry,
-        )
-
-
-class _Pool:
-    """The instances behind a list of addresses (re-resolved every `refresh_s`), round robin."""
-
-    def __init__(self, addresses: Sequence[str], factory, refresh_s: float = 10.0) -> None:
-        self._addresses = list(addresses)
-        self._factory = factory
-        self._refresh_s = refresh_s
-        self._lock = threading.Lock()
-        self._clients: dict[str, object] = {}
-        self._targets: list[tuple[str, str]] = []  # (target, original address)
-        self._resolved_at = -float("inf")
-        self._turn = itertools.count()
-        self._down_until: dict[str, float] = {}
-
-    def order(self) -> list[tuple[str, object]]:
-        """Every instance once, starting at the next one in turn."""
-        with self._lock:
-            if time.monotonic() - self._resolved_at > self._refresh_s:
-                self._targets = [(t, a) for a in self._addresses for t in resolve(a)]
-                self._resolved_at = time.monotonic()
-            targets = list(self._targets)
-            start = next(self._turn) % len(targets) if targets else 0
-            ordered = targets[start:] + targets[:start]
-            out = []
-            for target, original in ordered:
-                if target not in self._clients:
-                    self._clients[target] = self._factory(target, original)
-                out.append((target, self._clients[target]))
-            return out
-
-    def mark_down(self, target: str) -> None:
-        """`target` answered UNAVAILABLE: try it after the others for DOWN_S."""
-        with self._lock:
-            self._down_until[target] = time.monotonic() + DOWN_S
-
-    def up_first(self, targets: list[tuple[str, object]]) -> list[tuple[str, object]]:
-        """`targets` with those marked down recently moved last (stable otherwise)."""
-        now = time.monotonic()
-        with self._lock:
-            down = {t for t, until in self._down_until.items() if until > now}
-        return sorted(targets, key=lambda pair: pair[0] in down)
-
-    def forget(self) -> None:
-        """Re-resolve on the next call (after a failure, pods may have moved)."""
-        with self._lock:
-            self._resolved_at = -float("inf")
-
-    def close(self) -> None:
-        with self._lock:
-            for client in self._clients.values():
-                client.close()
-            self._clients.clear()
 
 
 class Router:
@@ -164,21 +79,24 @@ class Router:
             split_address(address)
         self.options = options or ClientOptions()
         self.metrics = metrics or RouterMetrics()
-        self._prefill = _Pool(prefill, lambda t, a: PrefillClient(t, **self._kwargs(a)))
-        self._decode = _Pool(decode, lambda t, a: DecodeClient(t, **self._kwargs(a)))
+        self._prefill = InstancePool(prefill, lambda t, a: PrefillClient(t, **self._kwargs(a)))
+        self._decode = InstancePool(decode, lambda t, a: DecodeClient(t, **self._kwargs(a)))
         self._routes = {role: PrefixRoutes() for role in INSTANCE_ROLES}
         self._block_size = 0  # learned from the first ticket whose hashes say it
         self._transfer_lock = threading.Lock()
         self._transfer_clients: dict[str, TransferClient] = {}
-        self._registered: set[tuple[str, str]] = set()  # (decode target, prefill address)
-        self._closed = threading.Event()
+        self._introductions = Introductions()
         self._threads = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="router")
         self._loop: asyncio.AbstractEventLoop | None = None  # `generate`'s, started on first use
         health = {"timeout_s": HEALTH_TIMEOUT_S}
-        self._health = (
-            _Pool(prefill, lambda t, a: TransferClient(t, **self._kwargs(a, **health))),
-            _Pool(decode, lambda t, a: DecodeClient(t, **self._kwargs(a, **health))),
-        )
+        self._health = {
+            ServeRole.PREFILL: InstancePool(
+                prefill, lambda t, a: TransferClient(t, **self._kwargs(a, **health))
+            ),
+            ServeRole.DECODE: InstancePool(
+                decode, lambda t, a: DecodeClient(t, **self._kwargs(a, **health))
+            ),
+        }
 
     def _kwargs(self, original: str, timeout_s: float | None = None) -> dict:
         tls = self.options.tls
@@ -273,20 +191,12 @@ class Router:
 
     def is_ready(self) -> bool:
         """Whether at least one prefill and one decode instance answer health SERVING."""
-        return all(_any_serving(pool) for pool in self._health)
+        return all(any_serving(pool) for pool in self._health.values())
 
     def degraded(self) -> list[str]:
         """The instances ("prefill HOST:PORT", "decode HOST:PORT") that say a TP rank of
         theirs misses its heartbeats: still serving, but stalled while it lasts."""
-        found = []
-        for role, pool in zip(("prefill", "decode"), self._health, strict=True):
-            for target, client in pool.order():
-                try:
-                    if client.health(RANKS_HEALTH) == "NOT_SERVING":
-                        found.append(f"{role} {target}")
-                except ControlError:
-                    continue  # unreachable, or a server without the status: not this check's
-        return sorted(found)
+        return stalled(self._health)
 
     def _run_prefill(self, request: GenerateRequest):
         prefill = PrefillRequest(
@@ -296,7 +206,7 @@ class Router:
         routes = self._routes[ServeRole.PREFILL]
         size = self._block_size
         hashes = block_hashes(request.prompt_ids, size) if size else ()
-        ordered = self._prefill.up_first(_ordered(self._prefill.order(), routes, hashes))
+        ordered = self._prefill.up_first(by_prefix(self._prefill.order(), routes, hashes))
         for target, client in ordered:
             routes.started(target)
             try:
@@ -329,23 +239,23 @@ class Router:
         self, ticket, max_tokens: int, sampling: SamplingParams
     ) -> AsyncIterator[TokenEvent]:
         routes = self._routes[ServeRole.DECODE]
-        ordered = _ordered(self._decode.order(), routes, ticket.block_hashes)
+        ordered = by_prefix(self._decode.order(), routes, ticket.block_hashes)
         targets = self._decode.up_first(ordered)
         if not targets:
             raise ControlError(GrpcCode.UNAVAILABLE, "no decode instance resolved")
         target, client = targets[0]
         routes.started(target)
         try:
-            if (target, ticket.address) not in self._registered:
+            introductions = self._introductions
+            if not introductions.known(target, ticket.address):
                 await asyncio.wrap_future(
-                    self._threads.submit(self._register, target, client, ticket.address)
+                    self._threads.submit(introductions.register, target, client, ticket.address)
                 )
             async for event in client.adecode(DecodeRequest(ticket, max_tokens, sampling)):
                 yield event
             routes.record(target, ticket.block_hashes)
         except ControlError as exc:
-            with self._transfer_lock:  # it may have restarted and forgotten: register again
-                self._registered.discard((target, ticket.address))
+            self._introductions.forget(target, ticket.address)
             if exc.code == GrpcCode.UNAVAILABLE:
                 self._decode.mark_down(target)
             raise
@@ -356,40 +266,10 @@ class Router:
         if not self._block_size:
             self._block_size = learn_block_size(prompt, ticket.block_hashes, len(ticket.block_ids))
 
-    def _register(self, target: str, client: DecodeClient, prefill_address: str) -> None:
-        """Vouch for a prefill instance this router called, once per decode instance: a
-        decode dials only the prefill addresses it was given (docs/workers.md)."""
-        key = (target, prefill_address)
-        with self._transfer_lock:
-            if key in self._registered:
-                return
-        client.register_prefill([prefill_address])
-        with self._transfer_lock:
-            self._registered.add(key)
-
     def introduce(self) -> threading.Thread:
         """Register every prefill instance with every decode instance now, in the background
-        (retrying one that is not up yet), so that each decode handshakes before the first
-        ticket comes instead of inside that request's transfer."""
-        thread = threading.Thread(target=self._introduce, name="router-introduce", daemon=True)
-        thread.start()
-        return thread
-
-    def _introduce(self) -> None:
-        deadline = time.monotonic() + INTRODUCE_FOR_S
-        prefills = [target for target, _ in self._prefill.order()]
-        pending = dict(self._decode.order())
-        while pending and not self._closed.is_set():
-            for target, client in list(pending.items()):
-                try:
-                    for prefill in prefills:
-                        self._register(target, client, prefill)
-                    del pending[target]
-                except ControlError as exc:
-                    if time.monotonic() > deadline:
-                        logger.info("decode %s took no prefill list (%s)", target, exc)
-                        del pending[target]
-            self._closed.wait(INTRODUCE_RETRY_S)
+        (`Introductions.introduce`)."""
+        return self._introductions.introduce(self._prefill, self._decode)
 
     def _abort(self, ticket: Ticket, reason: str) -> None:
         """Best effort: a dead prefill instance has freed everything anyway."""
@@ -413,7 +293,7 @@ class Router:
             return self._loop
 
     def close(self) -> None:
-        self._closed.set()
+        self._introductions.close()
         self._threads.shutdown(wait=False, cancel_futures=True)
         with self._transfer_lock:
             loop, self._loop = self._loop, None
@@ -421,25 +301,9 @@ class Router:
             loop.call_soon_threadsafe(loop.stop)
         self._prefill.close()
         self._decode.close()
-        for pool in self._health:
+        for pool in self._health.values():
             pool.close()
         with self._transfer_lock:
             for client in self._transfer_clients.values():
                 client.close()
             self._transfer_clients.clear()
-
-
-def _ordered(targets: list[tuple[str, object]], routes: PrefixRoutes, hashes) -> list:
-    """`targets` ((target, client) in turn order) reordered by `routes` for `hashes`."""
-    clients = dict(targets)
-    return [(t, clients[t]) for t in routes.order([t for t, _ in targets], hashes)]
-
-
-def _any_serving(pool: _Pool) -> bool:
-    for _, client in pool.order():
-        try:
-            if client.health() == "SERVING":
-                return True
-        except ControlError:
-            continue
-    return False

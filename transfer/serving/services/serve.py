@@ -24,7 +24,8 @@ from transfer.serving.addresses import join_address
 from transfer.serving.child_process import ready_line
 from transfer.serving.engine.serve_options import ANY_PORT, RouterBackend, ServeOptions
 from transfer.serving.openai.http_front import api_key, http_front
-from transfer.serving.openai.router import Router, RouterMetrics
+from transfer.serving.openai.metrics import RouterMetrics
+from transfer.serving.openai.router import Router
 from transfer.serving.role import ServeRole
 from transfer.serving.services.interfaces import advertised_host, interface_of
 from transfer.serving.services.serve_security import (
