@@ -18,8 +18,8 @@ import pytest
 
 from tests.support.launch import MAIN, ROOT
 from tests.support.up_process import up_process
+from transfer.hf_geometry import from_hf_config
 from transfer.model.reference import reference_generate
-from transfer.presets import from_hf_config
 from transfer.serving.openai.text import TextCodec
 
 pytestmark = pytest.mark.slow

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from transfer.hf_geometry import from_hf_config
 from transfer.model.batch import SequenceStep
 from transfer.model.batch_runner import BatchEngine
 from transfer.model.caches import LocalCaches
@@ -15,7 +16,6 @@ from transfer.model.checkpoint import Checkpoint
 from transfer.model.distributed import TPGroup
 from transfer.model.reference import full_sequence_logits
 from transfer.model.runner import RankEngine
-from transfer.presets import from_hf_config
 
 ARCHS = ("qwen3_next", "kimi_linear", "nemotron_h")
 BLOCK_SIZE = 16

@@ -10,11 +10,11 @@ from pathlib import Path
 import torch
 
 from transfer.geometry import CacheTensor, LayerKind, ModelGeometry, Role
+from transfer.hf_geometry import from_hf_config
 from transfer.model.caches import LocalCaches
 from transfer.model.checkpoint import Checkpoint
 from transfer.model.distributed import TPGroup, init_tp_group
 from transfer.model.runner import RankEngine
-from transfer.presets import from_hf_config
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 8

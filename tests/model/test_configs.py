@@ -10,7 +10,8 @@ import pytest
 from transfer.cli import main
 from transfer.errors import InvalidInput
 from transfer.geometry import LayerKind
-from transfer.presets import from_hf_config, load_geometry
+from transfer.hf_geometry import from_hf_config
+from transfer.presets import load_geometry
 from transfer.sizing import CacheDtypes, size_model
 
 TEXT = dict(vocab_size=320, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,

@@ -19,13 +19,13 @@ from tests.model.parity_kimi_nemotron import (
 )
 from transfer.errors import InvalidInput
 from transfer.geometry import KDASpec, LayerKind, MLASpec
+from transfer.hf_geometry import from_hf_config, from_hf_dict
 from transfer.model.checkpoint import Checkpoint
 from transfer.model.distributed import TPGroup
 from transfer.model.kimi_linear import build_kimi_linear
 from transfer.model.layers.common import Step
 from transfer.model.layers.kimi_moe import KimiMoE, Routing
 from transfer.model.rank_weights import RankWeights
-from transfer.presets import from_hf_config, from_hf_dict
 
 VOCAB = 256
 PROMPT_LEN = 80  # more than one 64-token chunk

@@ -11,8 +11,9 @@ import torch
 
 from tests.model.hf_models import engine_greedy, pick_prompt
 from transfer.cli import main
+from transfer.hf_geometry import from_hf_config
 from transfer.model.loader import load_model, tiny_checkpoint
-from transfer.presets import TINY_HF_CONFIGS, from_hf_config, get_preset
+from transfer.presets import TINY_HF_CONFIGS, get_preset
 
 PROMPTS = ([3, 141, 59, 265, 35, 89, 79, 32, 38, 46, 26, 43, 383, 27, 95, 28, 84, 197],
            list(range(5, 385, 5)))  # fmt: skip

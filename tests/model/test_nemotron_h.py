@@ -20,11 +20,11 @@ from tests.model.parity_kimi_nemotron import (
     run_ranks,
 )
 from transfer.geometry import GQASpec, LayerKind, Mamba2Spec
+from transfer.hf_geometry import from_hf_config, from_hf_dict
 from transfer.model.checkpoint import Checkpoint
 from transfer.model.distributed import TPGroup
 from transfer.model.layers.common import Step
 from transfer.model.nemotron_h import build_nemotron_h
-from transfer.presets import from_hf_config, from_hf_dict
 
 VOCAB = 256
 PROMPT_LEN = 80  # more than one 64-token chunk

@@ -13,12 +13,12 @@ import torch
 from transformers import NemotronHConfig, NemotronHForCausalLM
 
 from transfer.errors import InvalidInput
+from transfer.hf_geometry import from_hf_config, from_hf_dict
 from transfer.model.checkpoint import Checkpoint
 from transfer.model.layers.common import Step
 from transfer.model.layers.sigmoid_router import SigmoidRouter, routing_from_config
 from transfer.model.nemotron_h import build_nemotron_h
 from transfer.model.rank_weights import RankWeights
-from transfer.presets import from_hf_config, from_hf_dict
 
 VOCAB = 256
 HIDDEN = 64

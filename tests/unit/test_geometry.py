@@ -4,14 +4,8 @@ import pytest
 
 from transfer.errors import InvalidInput, NotFound
 from transfer.geometry import LayerKind, Role, Segment, Sharding, canonical_dtype
-from transfer.presets import (
-    PRESETS,
-    TINY_HF_CONFIGS,
-    from_hf_config,
-    from_hf_dict,
-    get_preset,
-    load_geometry,
-)
+from transfer.hf_geometry import from_hf_config, from_hf_dict
+from transfer.presets import PRESETS, TINY_HF_CONFIGS, get_preset, load_geometry
 
 FIXTURES = __import__("pathlib").Path(__file__).parent / "fixtures"
 

@@ -11,6 +11,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # The layers from the ground up (docs/architecture.md); each may import only those before it.
 LAYERS = [
     ("transfer/geometry.py", "transfer.geometry"),
+    ("transfer/hf_geometry.py", "transfer.hf_geometry"),
     ("transfer/presets.py", "transfer.presets"),
     ("transfer/sizing.py", "transfer.sizing"),
     ("transfer/memplan.py", "transfer.memplan"),
@@ -31,10 +32,10 @@ FORBIDDEN = {
     "kernels": ("transfer",),
     # Dataplane and control know byte ranges and opaque metadata only: no geometry, no
     # cache, no packer, and neither imports the other.
-    "transfer/dataplane": ("transfer.geometry", "transfer.presets", "transfer.cache",
+    "transfer/dataplane": ("transfer.geometry", "transfer.hf_geometry", "transfer.presets", "transfer.cache",
                            "transfer.packer", "transfer.agent", "transfer.control", "transfer.model",
                            "transfer.serving", "transfer.bench", "transfer.cli"),
-    "transfer/control": ("transfer.geometry", "transfer.presets", "transfer.cache",
+    "transfer/control": ("transfer.geometry", "transfer.hf_geometry", "transfer.presets", "transfer.cache",
                          "transfer.packer", "transfer.agent", "transfer.dataplane", "transfer.model",
                          "transfer.serving", "transfer.bench", "transfer.cli", "torch"),
     # The model computes; it never talks to peers.

@@ -25,7 +25,7 @@ from vllm.v1.worker.utils import allocate_kv_cache
 from transfer.agent import stage_small
 from transfer.cache.explicit_layout import ExplicitLayout
 from transfer.errors import InvalidInput
-from transfer.presets import from_hf_dict
+from transfer.hf_geometry import from_hf_dict
 from transfer.vllm.layout_places import STATE_ORDER_DS, STATE_ORDER_SD
 from transfer.vllm.layout_vllm import describe
 from transfer.vllm.load_plan import CacheGroup, plan_load

@@ -14,7 +14,7 @@ from vllm.v1.kv_cache_interface import MambaSpec, MLAAttentionSpec
 
 from tests.vllm.checkpoints import KIMI_LINEAR
 from transfer.errors import InvalidInput
-from transfer.presets import from_hf_dict
+from transfer.hf_geometry import from_hf_dict
 from transfer.vllm.layout_places import STATE_ORDER_SD
 from transfer.vllm.layout_vllm import describe
 

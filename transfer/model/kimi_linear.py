@@ -12,6 +12,7 @@ import torch
 
 from transfer.errors import InvalidInput
 from transfer.geometry import LayerKind, ModelGeometry
+from transfer.hf_geometry import from_hf_dict
 from transfer.model.causal_lm import CausalLM, Residual
 from transfer.model.checkpoint import Checkpoint
 from transfer.model.distributed import TPGroup
@@ -22,7 +23,6 @@ from transfer.model.layers.mla_attention import KimiMLA
 from transfer.model.layers.mlp import SwiGLU
 from transfer.model.layers.sigmoid_router import routing_from_config
 from transfer.model.rank_weights import RankWeights
-from transfer.presets import from_hf_dict
 
 MLP_PREFIXES = ("mlp.", "block_sparse_moe.")
 

@@ -21,11 +21,12 @@ import torch
 
 from transfer.errors import InvalidInput
 from transfer.geometry import ModelGeometry
+from transfer.hf_geometry import QWEN_MODEL_TYPES
 from transfer.model.batch import Batch
 from transfer.model.checkpoint import Checkpoint
 from transfer.model.distributed import TPGroup
 from transfer.model.layers.common import AfterLayer, Step
-from transfer.presets import PRESETS, QWEN_MODEL_TYPES, TINY_HF_CONFIGS, get_preset, looks_like_path
+from transfer.presets import PRESETS, TINY_HF_CONFIGS, get_preset, looks_like_path
 
 TINY_FORMAT = 1  # bump when tiny weights change, so stale cached checkpoints are not reused
 

@@ -11,6 +11,7 @@ import torch
 
 from transfer.errors import InvalidInput
 from transfer.geometry import LayerKind, ModelGeometry
+from transfer.hf_geometry import from_hf_dict
 from transfer.model.causal_lm import CausalLM, Residual
 from transfer.model.checkpoint import Checkpoint
 from transfer.model.distributed import TPGroup
@@ -21,7 +22,6 @@ from transfer.model.layers.relu2_mlp import Relu2MLP
 from transfer.model.layers.relu2_moe import Relu2MoE
 from transfer.model.layers.sigmoid_router import routing_from_config
 from transfer.model.rank_weights import RankWeights
-from transfer.presets import from_hf_dict
 
 PREFIXES = ("backbone.", "model.")
 PATTERN_TYPES = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}

@@ -13,6 +13,7 @@ import torch
 
 from transfer.errors import InvalidInput
 from transfer.geometry import LayerKind, ModelGeometry, Segment
+from transfer.hf_geometry import from_hf_dict
 from transfer.model.batch import Batch
 from transfer.model.checkpoint import Checkpoint
 from transfer.model.distributed import TPGroup
@@ -26,7 +27,6 @@ from transfer.model.layers.rope import PartialRope
 from transfer.model.qwen_config import QwenConfig, qwen_config
 from transfer.model.rank_weights import RankWeights
 from transfer.model.row_invariant import linear, row_invariant
-from transfer.presets import from_hf_dict
 
 
 class QwenDecoderLayer:

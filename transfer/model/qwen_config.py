@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from transfer.errors import InvalidInput
-from transfer.presets import QWEN_MODEL_TYPES, qwen_layer_types, qwen_text_config
-from transfer.presets import ConfigFields as Fields
+from transfer.hf_geometry import QWEN_MODEL_TYPES, qwen_layer_types, qwen_text_config
+from transfer.hf_geometry import ConfigFields as Fields
 
 GROUPED_GDN_TYPES = ("qwen3_next",)  # in_proj_qkvz / in_proj_ba, grouped per key head
 ALL_MOE_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")  # every layer sparse, top-k renormalised

@@ -15,11 +15,12 @@ import torch
 from safetensors.torch import save_file
 
 from transfer.errors import InvalidInput
+from transfer.hf_geometry import QWEN_MODEL_TYPES
 from transfer.model.tiny_kimi import kimi_tensors
 from transfer.model.tiny_nemotron import nemotron_tensors
 from transfer.model.tiny_qwen import qwen_tensors
 from transfer.model.tiny_tokenizer import write_tiny_tokenizer
-from transfer.presets import QWEN_MODEL_TYPES, TINY_HF_CONFIGS
+from transfer.presets import TINY_HF_CONFIGS
 
 LM_HEAD_GAIN = 8.0
 TENSORS = {

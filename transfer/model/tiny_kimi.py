@@ -8,10 +8,10 @@ import math
 import torch
 
 from transfer.geometry import KDASpec, LayerKind, MLASpec
+from transfer.hf_geometry import from_hf_dict
 from transfer.model.hf_config import field
 from transfer.model.kimi_linear import mlp_layer_types, routing
 from transfer.model.weights import SeededTensors
-from transfer.presets import from_hf_dict
 
 NORM_STD = 0.1  # plain RMSNorm weights, drawn around one
 

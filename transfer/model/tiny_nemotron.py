@@ -7,11 +7,11 @@ import math
 import torch
 
 from transfer.geometry import GQASpec, Mamba2Spec
+from transfer.hf_geometry import from_hf_dict
 from transfer.model.hf_config import field
 from transfer.model.layers.sigmoid_router import routing_from_config
 from transfer.model.nemotron_h import block_types
 from transfer.model.weights import SeededTensors
-from transfer.presets import from_hf_dict
 
 NORM_STD = 0.1  # plain RMSNorm weights, drawn around one
 

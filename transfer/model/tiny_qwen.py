@@ -7,9 +7,9 @@ import math
 import torch
 
 from transfer.geometry import LayerKind
+from transfer.hf_geometry import from_hf_dict
 from transfer.model.qwen_config import QwenConfig, qwen_config
 from transfer.model.weights import SeededTensors
-from transfer.presets import from_hf_dict
 
 # RMSNorm weights of this family are offsets from one: drawn around zero.
 NORM_STD = 0.1

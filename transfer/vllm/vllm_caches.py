@@ -13,7 +13,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec, UniformTypeKVCa
 
 from transfer.errors import InvalidInput
 from transfer.geometry import ModelGeometry
-from transfer.presets import from_hf_config, from_hf_dict
+from transfer.hf_geometry import from_hf_config, from_hf_dict
 from transfer.vllm.layout_places import STATE_ORDER_DS, STATE_ORDER_SD
 from transfer.vllm.load_plan import CacheGroup
 

@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from transfer.geometry import LayerKind
+from transfer.hf_geometry import from_hf_config
 from transfer.net import free_port
-from transfer.presets import from_hf_config
 from transfer.serving.child_process import die_with_parent
 from transfer.serving.launch.procs import group_alive, signal_group
 
