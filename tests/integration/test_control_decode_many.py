@@ -3,6 +3,7 @@ fails alone, and is cancelled alone."""
 
 from __future__ import annotations
 
+import asyncio
 import queue
 import threading
 import time
@@ -113,6 +114,31 @@ def test_a_caller_that_stops_early_cancels_its_decode_only(decode_server):
     assert next(kept).index == 1
     kept.close()
     assert decodes.closed.get(timeout=TIMEOUT_S) == "slow-1"
+
+
+def test_coroutines_share_the_call_fail_alone_and_cancel_alone(decode_server):
+    """`adecode`: the same stream for coroutines, whose events reach their event loop."""
+    _, client, decodes = decode_server
+
+    async def run() -> None:
+        kept = client.adecode(DecodeRequest(_ticket("slow-1"), 10**6))
+        left = client.adecode(DecodeRequest(_ticket("slow-2"), 10**6))
+        assert (await anext(kept)).token == 1000 and (await anext(left)).token == 2000
+        failing = client.adecode(DecodeRequest(_ticket("fail-3"), 5))
+        assert (await anext(failing)).token == 3000
+        with pytest.raises(ControlError) as info:
+            await anext(failing)
+        assert info.value.code == "NOT_FOUND"
+        await left.aclose()
+        assert await asyncio.to_thread(decodes.closed.get, timeout=TIMEOUT_S) == "fail-3"
+        assert await asyncio.to_thread(decodes.closed.get, timeout=TIMEOUT_S) == "slow-2"
+        assert (await anext(kept)).index == 1
+        await kept.aclose()
+        assert await asyncio.to_thread(decodes.closed.get, timeout=TIMEOUT_S) == "slow-1"
+        events = client.adecode(DecodeRequest(_ticket("r-4"), 2))
+        assert [e.token async for e in events] == [4000, 4001]
+
+    asyncio.run(asyncio.wait_for(run(), TIMEOUT_S * 3))
 
 
 def test_decodes_in_flight_fail_when_the_instance_goes_and_a_new_call_follows(decode_server):

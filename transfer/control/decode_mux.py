@@ -68,28 +68,27 @@ class DecodeMux:
         """The request's events; raises ControlError with the code the decode (or the call)
         failed with."""
         inbox: queue.SimpleQueue = queue.SimpleQueue()
-        session, stream_id = self._start(request, inbox)
-        ended = False
-        try:
+        with self._stream(request, inbox):
             while (event := _event_of(inbox.get())) is not None:
                 yield event
-            ended = True
-        except ControlError:
-            ended = True
-            raise
-        finally:
-            self._leave(session, stream_id, ended)
 
     async def adecode(self, request: DecodeRequest) -> AsyncIterator[TokenEvent]:
         """`decode` for a coroutine on the running event loop."""
         inbox = _LoopInbox(asyncio.get_running_loop(), asyncio.Queue())
+        with self._stream(request, inbox):
+            while (event := _event_of(await inbox.queue.get())) is not None:
+                yield event
+
+    @contextlib.contextmanager
+    def _stream(self, request: DecodeRequest, inbox: Inbox) -> Iterator[None]:
+        """The decode's stream on the call, delivering to `inbox`, for the block's life. A
+        block left before the decode ended (its caller stopped) cancels it on the call."""
         session, stream_id = self._start(request, inbox)
         ended = False
         try:
-            while (event := _event_of(await inbox.queue.get())) is not None:
-                yield event
+            yield
             ended = True
-        except ControlError:
+        except ControlError:  # the decode (or the call) failed: it has ended
             ended = True
             raise
         finally:

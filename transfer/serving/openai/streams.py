@@ -1,7 +1,6 @@
 """How the HTTP app waits on the engine: its async token stream on the app's event loop
-(or a blocking one on a thread), SSE
-responses that start only once the request is admitted, and work cancelled when the
-client goes away.
+(or a blocking one on a thread), SSE responses that start only once the request is
+admitted, and work cancelled when the client goes away.
 
 A request refused at admission (every instance full) must be a 429 before any byte of a
 stream is sent, as OpenAI and vLLM clients expect; the first token event is where the
