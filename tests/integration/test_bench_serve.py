@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from tests.support.launch import MAIN, ROOT
+from transfer.trace import TracePoint
 
 
 def bench(*args: str) -> subprocess.CompletedProcess:
@@ -59,7 +60,7 @@ def test_bad_flags_are_named(flag, value):
 def test_rounds_interleave_the_levels_with_fresh_prompts():
     result = bench(
         "--concurrency", "1,2", "--requests", "4", "--prompt-len", "16", "--max-tokens", "4",
-        "--rounds", "2", "--json",
+        "--rounds", "2", "--trace", "--json",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout)
@@ -82,6 +83,28 @@ def test_rounds_interleave_the_levels_with_fresh_prompts():
         "concurrency 1 (round 1", "concurrency 2 (round 1", "concurrency 1 (round 2",
         "concurrency 2 (round 2",
     ]  # fmt: skip
+    for r in report["results"]:
+        assert_hops_follow_the_path(r["hops_ms"], requests=8, ttft_p50_ms=r["ttft_ms"]["p50"])
+
+
+def assert_hops_follow_the_path(hops: list[dict], requests: int, ttft_p50_ms: float) -> None:
+    """Every request of the level passed every point, in the path's order, on one clock."""
+    order = [p.value for p in TracePoint]
+    path = [(h["start"], h["end"]) for h in hops[: len(order) - 1]]
+    assert path == list(zip(order, order[1:], strict=False))
+    for hop in hops:
+        assert hop["count"] == requests, hop
+        assert hop["min_ms"] <= hop["p50_ms"] <= hop["p90_ms"] <= hop["max_ms"]
+        # READs of a whole ticket may start before prefill has seen the Acquire
+        if (hop["start"], hop["end"]) != ("acquire_received", "transfer_started"):
+            assert hop["min_ms"] >= 0, hop
+    spans = {(h["start"], h["end"]): h for h in hops[len(order) - 1 :]}
+    assert set(spans) == {
+        ("prefill_done", "first_token"),
+        ("router_received", "router_first_token"),
+    }
+    # the router saw each request's first token no later than its client did
+    assert spans["router_received", "router_first_token"]["p50_ms"] <= ttft_p50_ms
 
 
 @pytest.mark.slow

@@ -30,6 +30,7 @@ ABOVE = {path: tuple(m for _, m in LAYERS[i + 1 :]) for i, (path, _) in enumerat
 FORBIDDEN = {
     **ABOVE,
     "kernels": ("transfer",),
+    "transfer/trace.py": ("transfer",),  # any layer marks points: it stands on nothing
     # Dataplane and control know byte ranges and opaque metadata only: no geometry, no
     # cache, no packer, and neither imports the other.
     "transfer/dataplane": ("transfer.geometry", "transfer.hf_geometry", "transfer.presets", "transfer.cache",

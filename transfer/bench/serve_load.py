@@ -9,6 +9,7 @@ independent requests)."""
 from __future__ import annotations
 
 import hashlib
+import secrets
 import threading
 import time
 from collections.abc import Sequence
@@ -100,10 +101,11 @@ def run_load(
     lock = threading.Lock()
     retries = [0]
     deadline = time.monotonic() + timeout_s
+    run = secrets.token_hex(4)  # ids unique across loads: traces join by request id
 
     def one(key: tuple[int, int], prompt: Sequence[int], tag: str) -> list[int]:
         out = results[key]
-        request = GenerateRequest(f"load-{tag}-{key[0]}-{key[1]}", tuple(prompt), max_tokens)
+        request = GenerateRequest(f"load-{run}-{tag}-{key[0]}-{key[1]}", tuple(prompt), max_tokens)
         out.prompt_tokens = len(prompt)
         while True:
             start = last = time.perf_counter()

@@ -10,6 +10,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from transfer.cli.int_args import positive_ints, require_positive
@@ -121,6 +122,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--timeout", type=float, default=600.0, help="seconds per concurrency level (default 600)"
     )
+    parser.add_argument(
+        "--trace",
+        action="store_true",
+        help="also report where TTFT goes, hop by hop (p50 / p90 ms per concurrency): the "
+        "router, prefill and decode processes log the points each request passes (see "
+        "PDXFER_TRACE_DIR in docs/workers.md); adds a write per point",
+    )
     parser.add_argument("--json", action="store_true", help='print {"results": [...]}')
     parser.add_argument("--plot", metavar="FILE", help="PNG: throughput and latency vs concurrency")
     parser.set_defaults(func=run)
@@ -128,10 +136,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from transfer.bench.decode_steps import read_step_totals
+    from transfer.bench.hops import format_hops, hop_table, in_window
     from transfer.bench.serve_load import run_load
     from transfer.bench.serve_rounds import CPU_SIDES, combine_rounds, throughput_ratios
     from transfer.presets import load_geometry
     from transfer.serving.launch.local import LocalPair, LocalPairConfig
+    from transfer.trace import TRACE_DIR_ENV, read_traces
 
     levels = positive_ints(args.concurrency, "--concurrency", "1,4,16")
     require_positive(args, ("requests", "rounds", "prompt_len", "max_tokens",
@@ -148,9 +158,12 @@ def run(args: argparse.Namespace) -> int:
         prefix_cache=args.prefix_cache, checkpoint_interval=args.checkpoint_interval,
         transfer_mode=args.transfer_mode, stream_layers=args.stream_layers, metrics=True,
     )  # fmt: skip
-    pair = LocalPair(config, run_dir)
+    trace_dir = run_dir / "trace"
+    pair = LocalPair(config, run_dir, {TRACE_DIR_ENV: str(trace_dir)} if args.trace else None)
     rounds: list[list[dict]] = []  # rounds[i][j]: round i at levels[j]
+    windows: dict[int, list[tuple[float, float]]] = {level: [] for level in levels}
     results: list[dict] = []
+    hops: dict = {}  # level -> its Hops, with --trace
     try:
         print(f"bench serve: starting {args.model} P={args.prefill_tp} D={args.decode_tp} "
               f"max_num_seqs={max_seqs}; logs in {run_dir}", file=sys.stderr)  # fmt: skip
@@ -163,9 +176,11 @@ def run(args: argparse.Namespace) -> int:
             for level in levels:
                 before = read_step_totals(decode_metrics)
                 cpu_before = _cpu_seconds(pair)
+                began = time.time()
                 result = run_load(
                     address, pair.token, conversations, args.max_tokens, level, args.timeout
                 )
+                windows[level].append((began, time.time()))
                 cpu = _cpu_seconds(pair)
                 steps = read_step_totals(decode_metrics).since(before)
                 steps |= {key: round(cpu[key] - cpu_before[key], 3) for key in cpu}
@@ -181,6 +196,11 @@ def run(args: argparse.Namespace) -> int:
             for side in CPU_SIDES:
                 per_token = 1e3 * r[f"{side}_cpu_s"] / max(1, r["output_tokens"])
                 r[f"{side}_cpu_ms_per_token"] = round(per_token, 3)
+        if args.trace:
+            traces = read_traces(trace_dir)
+            for level, r in zip(levels, results, strict=True):
+                hops[level] = hop_table(in_window(traces, windows[level]))
+                r["hops_ms"] = [hop.to_dict() for hop in hops[level]]
     finally:
         pair.close()
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -216,6 +236,8 @@ def run(args: argparse.Namespace) -> int:
                   f"{r['router_cpu_ms_per_token']:>6.2f}")  # fmt: skip
         if args.rounds > 1:
             print(f"(medians over {args.rounds} rounds)")
+        if hops:
+            print(format_hops(hops))
         for level, ratios in report["throughput_ratios"].items():
             print(f"tok/s at C={level} over C={levels[0]}: median {statistics.median(ratios):.2f}x"
                   f" (rounds: {', '.join(f'{x:.2f}x' for x in ratios)})")  # fmt: skip

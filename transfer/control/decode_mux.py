@@ -24,6 +24,7 @@ from transfer.control import convert
 from transfer.control.errors import ControlError, GrpcCode, control_error_of
 from transfer.control.gen import worker_pb2
 from transfer.control.types import DecodeRequest, TokenEvent
+from transfer.trace import TracePoint, enabled, mark
 
 _CLOSE = object()
 
@@ -134,6 +135,8 @@ class DecodeMux:
         ended = ControlError(GrpcCode.UNAVAILABLE, "the DecodeMany call ended")
         try:
             for message in session.call:
+                if enabled():
+                    _mark_first_tokens(message)
                 with self._lock:
                     inboxes = [(session.inboxes.get(e.stream_id), e) for e in message.events]
                 _deliver(inboxes)
@@ -146,6 +149,12 @@ class DecodeMux:
             session.inboxes.clear()
         session.outgoing.put(_CLOSE)
         _deliver([(inbox, ended) for inbox in waiting])
+
+
+def _mark_first_tokens(message: worker_pb2.DecodeEvents) -> None:
+    for event in message.events:
+        if event.HasField("token") and event.token.index == 0:
+            mark(TracePoint.ROUTER_TOKEN_READ, event.token.request_id)
 
 
 def _event_of(item: worker_pb2.DecodeEvent | ControlError) -> TokenEvent | None:

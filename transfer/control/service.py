@@ -32,6 +32,7 @@ from transfer.control.types import (
     validate_compat,
 )
 from transfer.errors import CapacityError, InvalidInput, WrongState
+from transfer.trace import TracePoint, mark
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +68,7 @@ class TransferServicer(transfer_pb2_grpc.TransferServiceServicer):
         return convert.handshake_reply_to_pb(self.identity)
 
     def acquire(self, m: transfer_pb2.AcquireRequest) -> transfer_pb2.Ticket:
+        mark(TracePoint.ACQUIRE_RECEIVED, m.request_id)
         return convert.ticket_to_pb(self.store.acquire(m.request_id, m.holder))
 
     def heartbeat(self, m: transfer_pb2.HeartbeatRequest) -> transfer_pb2.HeartbeatReply:
@@ -74,6 +76,7 @@ class TransferServicer(transfer_pb2_grpc.TransferServiceServicer):
         return transfer_pb2.HeartbeatReply(lease_deadline=ticket.lease_deadline)
 
     def release(self, m: transfer_pb2.ReleaseRequest) -> transfer_pb2.ReleaseReply:
+        mark(TracePoint.RELEASE_RECEIVED, m.request_id)
         self.store.release(m.request_id, m.holder, tuple(m.block_ids), m.slot_id)
         return transfer_pb2.ReleaseReply()
 
@@ -124,10 +127,12 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
 
     def prefill(self, m, context: grpc.ServicerContext) -> transfer_pb2.Ticket:
         request = convert.prefill_request_from_pb(m)
+        mark(TracePoint.PREFILL_RECEIVED, request.request_id)
         ticket = self._prefill(request, lambda: not context.is_active())
         if self._abandon is not None and not context.is_active():
             # The caller gave up (cancelled, past its deadline): nobody will use this ticket.
             self._abandon(ticket)
+        mark(TracePoint.PREFILL_ANSWERED, request.request_id)
         return convert.ticket_to_pb(ticket)
 
     def Prefill(self, request, context):

@@ -55,6 +55,7 @@ from transfer.serving.engine.step_pipeline import StepPipeline
 from transfer.serving.engine.transfer_progress import TransferProgress
 from transfer.serving.engine.transfers import Outcome
 from transfer.serving.ranks.commands import TransferPoll, TransferStart
+from transfer.trace import TracePoint, mark
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +107,7 @@ class DecodeEngine:
         """Start `decode`; its events arrive on the returned request's `out`, or, with a
         `sink`, as `sink([(tag, item), ...])` once per step (`Request.sink`)."""
         request = Request(decode, sink=sink, sink_tag=tag)
+        mark(TracePoint.DECODE_ARRIVED, request.request_id)
         if sink is not None:
             request.consumer_ready = True  # a sink takes every event as it comes
         if self._closed:

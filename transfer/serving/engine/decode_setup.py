@@ -36,6 +36,7 @@ from transfer.serving.ranks.commands import Snapshot, StreamSource
 from transfer.serving.ranks.progress import TransferMode
 from transfer.serving.ranks.spec import RankReads
 from transfer.serving.role import ServeRole
+from transfer.trace import TracePoint, mark
 
 if TYPE_CHECKING:
     from transfer.serving.engine.decode_engine import DecodeEngine
@@ -198,6 +199,7 @@ class DecodeSetup:
     def _start_transfer(self, request: Request, transfer: Transfer) -> None:
         engine = self.engine
         request.transfer, request.phase = transfer, DecodePhase.TRANSFERRING
+        mark(TracePoint.TRANSFER_STARTED, request.request_id)
         request.transfer_started = True
         command = transfer.start(request.request_id, request.slot, engine.transfer_deadline_s)
         engine.add_command(command, lambda answer: engine.transfers.on_poll(request, answer))
@@ -215,6 +217,7 @@ class DecodeSetup:
     def transferred(self, request: Request) -> None:
         """Its transfer is DONE: every READ landed and was unpacked. Release the ticket; the
         request runs once prefill has it back."""
+        mark(TracePoint.TRANSFER_DONE, request.request_id)  # the first call: the READs landed
         if not request.acquired:
             return  # the Acquire's answer calls this again
         engine, ticket, transfer = self.engine, request.ticket, request.transfer
@@ -247,6 +250,7 @@ class DecodeSetup:
             return
         ticket, transfer = request.ticket, request.transfer
         request.last_token = transfer.first_token
+        mark(TracePoint.FIRST_TOKEN, request.request_id)
         engine.emit(request, TokenEvent(
             request.request_id, transfer.first_token, 0, finished=request.max_tokens == 1,
             ttft_ms=(time.perf_counter() - request.arrived) * 1e3,

@@ -19,6 +19,7 @@ from transfer.serving.engine.step import Answer, Handler
 from transfer.serving.ranks.commands import StageGather
 from transfer.serving.ranks.progress import next_key
 from transfer.serving.ranks.spec import Copies
+from transfer.trace import TracePoint, mark
 
 
 class PrefillTickets:
@@ -51,6 +52,7 @@ class PrefillTickets:
     def publish(self, prompt: Prompt) -> None:
         """Its cache is written: publish its ticket (a streamed one's is live already).
         Raises PdxferError (InvalidInput) when the store refuses it."""
+        mark(TracePoint.PREFILL_DONE, prompt.request_id)
         if prompt.ticket is None:
             first = prompt.first
             prompt.ticket = self.store.publish(

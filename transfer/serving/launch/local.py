@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,11 +54,15 @@ class LocalPair:
     Every child carries the run's id in its environment (LAUNCH_ID_ENV), so tests can find
     leftovers, and a fresh control-plane token (`token`)."""
 
-    def __init__(self, config: LocalPairConfig, run_dir: Path) -> None:
+    def __init__(
+        self, config: LocalPairConfig, run_dir: Path, env: Mapping[str, str] | None = None
+    ) -> None:
+        """`env`: more environment for every child (a trace directory, say)."""
         self.config = config
         self.run_dir = run_dir
         self.token = uuid.uuid4().hex
         self.env = {
+            **(env or {}),
             LAUNCH_ID_ENV: os.environ.get(LAUNCH_ID_ENV) or uuid.uuid4().hex,
             "PDXFER_AUTH_TOKEN": self.token,
         }

@@ -42,6 +42,7 @@ from transfer.serving.openai.introductions import Introductions
 from transfer.serving.openai.metrics import RouterMetrics
 from transfer.serving.openai.prefix_routes import PrefixRoutes, learn_block_size
 from transfer.serving.role import INSTANCE_ROLES, ServeRole
+from transfer.trace import TracePoint, mark
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +113,7 @@ class Router:
         failed, an instance went away), is run once more from prefill on the next instances.
         Runs on the caller's event loop; the blocking calls go to the router's threads."""
         start = time.perf_counter()
+        mark(TracePoint.ROUTER_RECEIVED, request.request_id)
         status = "failed"
         if request.sampling.seed is None and not request.sampling.greedy:
             # One seed for both sides, so the request's tokens are one stream.
@@ -124,6 +126,7 @@ class Router:
                     async for event in self._attempt(request):
                         if first:
                             event = replace(event, ttft_ms=(time.perf_counter() - start) * 1e3)
+                            mark(TracePoint.ROUTER_FIRST_TOKEN, request.request_id)
                             first = False
                         yield event
                     break
@@ -211,6 +214,7 @@ class Router:
             routes.started(target)
             try:
                 ticket = client.prefill(prefill)
+                mark(TracePoint.ROUTER_PREFILL_ANSWERED, request.request_id)
                 self._learn(request.prompt_ids, ticket)
                 routes.record(target, ticket.block_hashes)
                 return ticket, target
