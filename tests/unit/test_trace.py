@@ -1,6 +1,8 @@
 """transfer.trace (points written and joined across files) and bench/hops.py (the hop
 table `bench serve --trace` prints)."""
 
+import json
+
 import pytest
 
 from transfer import trace
@@ -84,7 +86,26 @@ def test_windows_pick_requests_by_their_arrival_at_the_router():
 def test_the_table_has_a_column_per_level_and_a_dash_where_a_level_lacks_a_hop():
     one = {"a": {P.ROUTER_RECEIVED: 0.0, P.PREFILL_RECEIVED: 0.002}}
     two = {"b": {P.ROUTER_RECEIVED: 0.0, P.DECODE_ARRIVED: 0.004}}
-    lines = format_hops({1: hop_table(one), 32: hop_table(two)}).splitlines()
+    lines = format_hops({"C=1": hop_table(one), "C=32": hop_table(two)}).splitlines()
     assert lines[0].split()[-2:] == ["C=1", "C=32"]
     row = next(line for line in lines if line.startswith("router_received -> prefill_received"))
     assert row.split()[-4:] == ["2.0", "/", "2.0", "-"]
+
+
+def test_the_trace_command_reads_a_directory_and_names_what_is_wrong(tmp_path, capsys):
+    from transfer.cli import main
+
+    (tmp_path / "1.trace").write_text("10.000 router_received r\n10.004 prefill_received r\n")
+    assert main(["trace", str(tmp_path), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["requests"] == 1
+    (hop,) = report["hops_ms"]
+    assert (hop["start"], hop["end"], hop["count"]) == ("router_received", "prefill_received", 1)
+    assert hop["p50_ms"] == pytest.approx(4.0, abs=1e-3)
+    assert main(["trace", str(tmp_path)]) == 0
+    assert "router_received -> prefill_received" in capsys.readouterr().out
+    assert main(["trace", str(tmp_path / "missing")]) == 2
+    assert "DIR:" in capsys.readouterr().err
+    (tmp_path / "1.trace").write_text("")
+    assert main(["trace", str(tmp_path)]) == 2
+    assert "no trace lines" in capsys.readouterr().err

@@ -78,20 +78,20 @@ def _hop(start: TracePoint, end: TracePoint, seconds: list[float]) -> Hop:
     )  # fmt: skip
 
 
-def format_hops(tables: Mapping[int, Sequence[Hop]]) -> str:
-    """One line per hop, a "p50 / p90" column per concurrency (`tables`: level -> hops)."""
-    levels = list(tables)
+def format_hops(tables: Mapping[str, Sequence[Hop]]) -> str:
+    """One line per hop, a "p50 / p90" column per table (`tables`: column title -> hops)."""
+    titles = list(tables)
     names: list[str] = []
-    cells: dict[tuple[str, int], str] = {}
-    for level, hops in tables.items():
+    cells: dict[tuple[str, str], str] = {}
+    for title, hops in tables.items():
         for hop in hops:
             if hop.name not in names:
                 names.append(hop.name)
-            cells[hop.name, level] = f"{hop.p50_ms:.1f} / {hop.p90_ms:.1f}"
-    width = max((len(n) for n in names), default=4)
-    lines = [f"{'hop (ms, p50 / p90)':<{width}} " + " ".join(f"{f'C={c}':>15}" for c in levels)]
+            cells[hop.name, title] = f"{hop.p50_ms:.1f} / {hop.p90_ms:.1f}"
+    width = max([len(n) for n in names] + [len("hop (ms, p50 / p90)")])
+    lines = [f"{'hop (ms, p50 / p90)':<{width}} " + " ".join(f"{c:>15}" for c in titles)]
     for name in names:
         lines.append(
-            f"{name:<{width}} " + " ".join(f"{cells.get((name, c), '-'):>15}" for c in levels)
+            f"{name:<{width}} " + " ".join(f"{cells.get((name, c), '-'):>15}" for c in titles)
         )
     return "\n".join(lines)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from transfer.cli import bench, launch, make_tiny, plan, serve, up
+from transfer.cli import bench, launch, make_tiny, plan, serve, trace, up
 from transfer.errors import CapacityError, NotFound
 
 
@@ -18,7 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (plan, serve, launch, up, bench, make_tiny):
+    for module in (plan, serve, launch, up, bench, trace, make_tiny):
         module.register(subparsers)
     return parser
 

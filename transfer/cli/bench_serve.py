@@ -237,7 +237,7 @@ def run(args: argparse.Namespace) -> int:
         if args.rounds > 1:
             print(f"(medians over {args.rounds} rounds)")
         if hops:
-            print(format_hops(hops))
+            print(format_hops({f"C={level}": table for level, table in hops.items()}))
         for level, ratios in report["throughput_ratios"].items():
             print(f"tok/s at C={level} over C={levels[0]}: median {statistics.median(ratios):.2f}x"
                   f" (rounds: {', '.join(f'{x:.2f}x' for x in ratios)})")  # fmt: skip
