@@ -7,7 +7,6 @@ import argparse
 import json
 import random
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -135,13 +134,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from transfer.bench.decode_steps import read_step_totals
-    from transfer.bench.hops import format_hops, hop_table, in_window
-    from transfer.bench.serve_load import run_load
-    from transfer.bench.serve_rounds import CPU_SIDES, combine_rounds, throughput_ratios
+    from transfer.bench.serve_report import format_report, plot_results
+    from transfer.bench.serve_rounds import throughput_ratios
     from transfer.presets import load_geometry
     from transfer.serving.launch.local import LocalPair, LocalPairConfig
-    from transfer.trace import TRACE_DIR_ENV, read_traces
+    from transfer.trace import TRACE_DIR_ENV
 
     levels = positive_ints(args.concurrency, "--concurrency", "1,4,16")
     require_positive(args, ("requests", "rounds", "prompt_len", "max_tokens",
@@ -158,49 +155,14 @@ def run(args: argparse.Namespace) -> int:
         prefix_cache=args.prefix_cache, checkpoint_interval=args.checkpoint_interval,
         transfer_mode=args.transfer_mode, stream_layers=args.stream_layers, metrics=True,
     )  # fmt: skip
-    trace_dir = run_dir / "trace"
-    pair = LocalPair(config, run_dir, {TRACE_DIR_ENV: str(trace_dir)} if args.trace else None)
-    rounds: list[list[dict]] = []  # rounds[i][j]: round i at levels[j]
-    windows: dict[int, list[tuple[float, float]]] = {level: [] for level in levels}
-    results: list[dict] = []
-    hops: dict = {}  # level -> its Hops, with --trace
+    trace_dir = run_dir / "trace" if args.trace else None
+    pair = LocalPair(config, run_dir, {TRACE_DIR_ENV: str(trace_dir)} if trace_dir else None)
     try:
         print(f"bench serve: starting {args.model} P={args.prefill_tp} D={args.decode_tp} "
               f"max_num_seqs={max_seqs}; logs in {run_dir}", file=sys.stderr)  # fmt: skip
         pair.start_workers()
-        address = pair.start_router()
-        decode_metrics = pair.procs[1].metrics_port
-        for round_index in range(args.rounds):
-            conversations = _conversations(args, geometry.vocab_size, round_index)
-            rounds.append([])
-            for level in levels:
-                before = read_step_totals(decode_metrics)
-                cpu_before = _cpu_seconds(pair)
-                began = time.time()
-                result = run_load(
-                    address, pair.token, conversations, args.max_tokens, level, args.timeout
-                )
-                windows[level].append((began, time.time()))
-                cpu = _cpu_seconds(pair)
-                steps = read_step_totals(decode_metrics).since(before)
-                steps |= {key: round(cpu[key] - cpu_before[key], 3) for key in cpu}
-                label = f" (round {round_index + 1}/{args.rounds})" if args.rounds > 1 else ""
-                print(f"bench serve: concurrency {level}{label}: "
-                      f"{result.output_tokens_per_s:.1f} tok/s, "
-                      f"ttft p50 {result.ttft_ms['p50']:.0f} ms, itl p50 {result.itl_ms['p50']:.1f} ms, "
-                      f"decode batch mean {steps['decode_batch_mean']:.1f}, "
-                      f"{result.failed} failed", file=sys.stderr)  # fmt: skip
-                rounds[-1].append(result.to_dict() | steps)
-        results = [combine_rounds([r[j] for r in rounds]) for j in range(len(levels))]
-        for r in results:
-            for side in CPU_SIDES:
-                per_token = 1e3 * r[f"{side}_cpu_s"] / max(1, r["output_tokens"])
-                r[f"{side}_cpu_ms_per_token"] = round(per_token, 3)
-        if args.trace:
-            traces = read_traces(trace_dir)
-            for level, r in zip(levels, results, strict=True):
-                hops[level] = hop_table(in_window(traces, windows[level]))
-                r["hops_ms"] = [hop.to_dict() for hop in hops[level]]
+        rounds, windows = _measure(args, pair, pair.start_router(), levels, geometry.vocab_size)
+        results, hops = _results(rounds, levels, windows, trace_dir)
     finally:
         pair.close()
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -220,28 +182,72 @@ def run(args: argparse.Namespace) -> int:
         "throughput_ratios": throughput_ratios(rounds),
     }
     if args.plot:
-        _plot(results, args.plot, f"{args.model} P={args.prefill_tp} D={args.decode_tp}")
+        plot_results(results, args.plot, f"{args.model} P={args.prefill_tp} D={args.decode_tp}")
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        header = (f"{'conc':>5} {'tok/s':>9} {'ttft p50':>9} {'ttft p99':>9} {'itl p50':>8} "
-                  f"{'e2e p50':>8} {'xfer p50':>8} {'batch':>6} {'failed':>6} "
-                  f"{'cpu ms/tok decode':>17} {'control':>7} {'router':>6}")  # fmt: skip
-        print(header)
-        for r in results:
-            print(f"{r['concurrency']:>5} {r['output_tokens_per_s']:>9.1f} {r['ttft_ms']['p50']:>9.1f} "
-                  f"{r['ttft_ms']['p99']:>9.1f} {r['itl_ms']['p50']:>8.1f} {r['e2e_ms']['p50']:>8.1f} "
-                  f"{r['transfer_ms']['p50']:>8.2f} {r['decode_batch_mean']:>6.1f} {r['failed']:>6} "
-                  f"{r['decode_cpu_ms_per_token']:>17.2f} {r['decode_control_cpu_ms_per_token']:>7.2f} "
-                  f"{r['router_cpu_ms_per_token']:>6.2f}")  # fmt: skip
-        if args.rounds > 1:
-            print(f"(medians over {args.rounds} rounds)")
-        if hops:
-            print(format_hops({f"C={level}": table for level, table in hops.items()}))
-        for level, ratios in report["throughput_ratios"].items():
-            print(f"tok/s at C={level} over C={levels[0]}: median {statistics.median(ratios):.2f}x"
-                  f" (rounds: {', '.join(f'{x:.2f}x' for x in ratios)})")  # fmt: skip
+        print(format_report(report, levels, hops))
     return 0 if all(r["failed"] == 0 for r in results) else 1
+
+
+Windows = dict[int, list[tuple[float, float]]]  # level -> (start, end) unix seconds per round
+
+
+def _measure(
+    args: argparse.Namespace, pair, address: str, levels: list[int], vocab: int
+) -> tuple[list[list[dict]], Windows]:
+    """Every round at every level: rounds[i][j] is round i at levels[j]; and when each ran."""
+    from transfer.bench.decode_steps import read_step_totals
+    from transfer.bench.serve_load import run_load
+
+    rounds: list[list[dict]] = []
+    windows: Windows = {level: [] for level in levels}
+    decode_metrics = pair.procs[1].metrics_port
+    for round_index in range(args.rounds):
+        conversations = _conversations(args, vocab, round_index)
+        rounds.append([])
+        for level in levels:
+            before = read_step_totals(decode_metrics)
+            cpu_before = _cpu_seconds(pair)
+            began = time.time()
+            result = run_load(
+                address, pair.token, conversations, args.max_tokens, level, args.timeout
+            )
+            windows[level].append((began, time.time()))
+            cpu = _cpu_seconds(pair)
+            steps = read_step_totals(decode_metrics).since(before)
+            steps |= {key: round(cpu[key] - cpu_before[key], 3) for key in cpu}
+            label = f" (round {round_index + 1}/{args.rounds})" if args.rounds > 1 else ""
+            print(f"bench serve: concurrency {level}{label}: "
+                  f"{result.output_tokens_per_s:.1f} tok/s, "
+                  f"ttft p50 {result.ttft_ms['p50']:.0f} ms, itl p50 {result.itl_ms['p50']:.1f} ms, "
+                  f"decode batch mean {steps['decode_batch_mean']:.1f}, "
+                  f"{result.failed} failed", file=sys.stderr)  # fmt: skip
+            rounds[-1].append(result.to_dict() | steps)
+    return rounds, windows
+
+
+def _results(
+    rounds: list[list[dict]], levels: list[int], windows: Windows, trace_dir: Path | None
+) -> tuple[list[dict], dict]:
+    """Each level's result over its rounds, with CPU per token and, from `trace_dir`, its
+    hops; and the hops as `format_hops` takes them (none without a trace)."""
+    from transfer.bench.hops import hop_table, in_window
+    from transfer.bench.serve_rounds import CPU_SIDES, combine_rounds
+    from transfer.trace import read_traces
+
+    results = [combine_rounds([r[j] for r in rounds]) for j in range(len(levels))]
+    for r in results:
+        for side in CPU_SIDES:
+            per_token = 1e3 * r[f"{side}_cpu_s"] / max(1, r["output_tokens"])
+            r[f"{side}_cpu_ms_per_token"] = round(per_token, 3)
+    hops = {}
+    if trace_dir is not None:
+        traces = read_traces(trace_dir)
+        for level, r in zip(levels, results, strict=True):
+            hops[f"C={level}"] = hop_table(in_window(traces, windows[level]))
+            r["hops_ms"] = [hop.to_dict() for hop in hops[f"C={level}"]]
+    return results, hops
 
 
 def _cpu_seconds(pair) -> dict[str, float]:
@@ -276,28 +282,3 @@ def _conversations(
         + [tokens(args.turn_len) for _ in range(args.turns - 1)]
         for _ in range(count)
     ]
-
-
-def _plot(results: list[dict], path: str, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    levels = [r["concurrency"] for r in results]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
-    left.plot(levels, [r["output_tokens_per_s"] for r in results], marker="o")
-    left.set_xlabel("concurrency")
-    left.set_ylabel("output tokens/s")
-    left.set_xscale("log", base=2)
-    for key, label in (("ttft_ms", "TTFT"), ("itl_ms", "ITL"), ("e2e_ms", "end to end")):
-        right.plot(levels, [r[key]["p50"] for r in results], marker="o", label=f"{label} p50")
-    right.set_xlabel("concurrency")
-    right.set_ylabel("ms")
-    right.set_xscale("log", base=2)
-    right.set_yscale("log")
-    right.legend()
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
