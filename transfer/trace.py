@@ -20,9 +20,11 @@ TRACE_DIR_ENV = "PDXFER_TRACE_DIR"
 
 
 class TracePoint(enum.Enum):
-    """The points of a request's path to its first token, in the order they are passed
-    (layer-wise streaming: the transfer starts before PREFILL_DONE; a ticket whose cache
-    needs no Acquire first: the transfer may start before ACQUIRE_RECEIVED)."""
+    """The points of a request's path to its first token, in the order they are passed.
+    Decode runs two chains side by side, the Acquire and (for a whole ticket) the READs, and
+    releases the ticket once both are done; so the READs may start before ACQUIRE_RECEIVED
+    and land before or after ACQUIRE_ANSWERED. With layer-wise streaming the READs start
+    after ACQUIRE_ANSWERED and before PREFILL_DONE."""
 
     ROUTER_RECEIVED = "router_received"  # the router took the request
     PREFILL_RECEIVED = "prefill_received"  # a prefill instance's handler took it
@@ -33,6 +35,7 @@ class TracePoint(enum.Enum):
     ACQUIRE_RECEIVED = "acquire_received"  # prefill took decode's Acquire
     TRANSFER_STARTED = "transfer_started"  # the READs went to decode's ranks
     TRANSFER_DONE = "transfer_done"  # every READ landed
+    ACQUIRE_ANSWERED = "acquire_answered"  # decode has the Acquire's answer
     RELEASE_RECEIVED = "release_received"  # prefill took decode's Release
     FIRST_TOKEN = "first_token"  # decode emits token 0
     ROUTER_TOKEN_READ = "router_token_read"  # the router's reader took token 0 off the call

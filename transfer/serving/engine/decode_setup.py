@@ -90,6 +90,7 @@ class DecodeSetup:
                 self.peers.forget(event.address)
             self.engine.finish(request, event.error)
             return
+        mark(TracePoint.ACQUIRE_ANSWERED, request.request_id)
         ticket, early = event.result, request.ticket
         request.ticket, request.ticket_open = ticket, True
         if early is not None and not early.same_publish(ticket):
