@@ -74,3 +74,38 @@ def test_report_rows_and_ratios():
     assert "transfer time 0.00033x" in line
     failed = ConnectorRun(Connector.PDXFER, 2, 1, error="no module transfer.vllm.connector")
     assert "failed: no module" in row(failed) and ratios([nixl, failed]) == []
+
+
+def test_a_refused_completion_carries_the_servers_status_and_message():
+    import http.server
+    import json
+    import threading
+
+    from transfer.errors import PeerUnavailable
+    from transfer.serving.openai.schema import ApiError
+    from transfer.serving.openai.vllm_backend import post_completion
+
+    class Refuse(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - http.server's name
+            self.rfile.read(int(self.headers["Content-Length"]))
+            body = json.dumps({"error": {"message": "KV transfer failed"}}).encode()
+            self.send_response(500)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Refuse)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        with pytest.raises(ApiError, match="KV transfer failed") as refused:
+            post_completion(url, [1, 2, 3], 2, timeout_s=10)
+        assert refused.value.status == 500 and url in str(refused.value)
+    finally:
+        server.shutdown()
+        server.server_close()
+    with pytest.raises(PeerUnavailable, match="unreachable"):
+        post_completion(url, [1, 2, 3], 2, timeout_s=10)  # nothing listens there now

@@ -102,11 +102,16 @@ def post_completion(
     **extra: Any,
 ) -> dict:
     """One greedy, non-streamed /v1/completions on the vLLM server at `base_url`, token ids
-    in and out (`choices[0].token_ids`); `extra` joins the body (e.g. cache_salt)."""
+    in and out (`choices[0].token_ids`); `extra` joins the body (e.g. cache_salt). A refusal
+    raises ApiError with the server's status and message, an unreachable server
+    PeerUnavailable."""
     body = {"prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0.0,
             "return_token_ids": True, **extra}  # fmt: skip
-    with _post(base_url + "/v1/completions", body, timeout_s) as response:
-        return json.loads(response.read())
+    try:
+        with _post(base_url + "/v1/completions", body, timeout_s) as response:
+            return json.loads(response.read())
+    except OSError as exc:  # urllib's HTTPError and URLError among them
+        raise _upstream_error(base_url, "vLLM", exc) from exc
 
 
 def _upstream_error(server: str, phase: str, exc: Exception) -> Exception:
