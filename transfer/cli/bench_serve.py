@@ -245,8 +245,8 @@ def _results(
     if trace_dir is not None:
         traces = read_traces(trace_dir)
         for level, r in zip(levels, results, strict=True):
-            hops[f"C={level}"] = hop_table(in_window(traces, windows[level]))
-            r["hops_ms"] = [hop.to_dict() for hop in hops[f"C={level}"]]
+            table = hops[f"C={level}"] = hop_table(in_window(traces, windows[level]))
+            r["hops_ms"] = [hop.to_dict() for hop in table]
     return results, hops
 
 

@@ -218,7 +218,6 @@ class DecodeSetup:
     def transferred(self, request: Request) -> None:
         """Its transfer is DONE: every READ landed and was unpacked. Release the ticket; the
         request runs once prefill has it back."""
-        mark(TracePoint.TRANSFER_DONE, request.request_id)  # the first call: the READs landed
         if not request.acquired:
             return  # the Acquire's answer calls this again
         engine, ticket, transfer = self.engine, request.ticket, request.transfer

@@ -11,6 +11,7 @@ from transfer.serving.engine.request import DecodePhase, Request
 from transfer.serving.engine.step import Answer
 from transfer.serving.engine.transfers import Outcome, Transfer
 from transfer.serving.ranks.commands import TransferPoll
+from transfer.trace import TracePoint, mark
 
 if TYPE_CHECKING:
     from transfer.serving.engine.decode_engine import DecodeEngine
@@ -45,6 +46,7 @@ class TransferProgress:
         if transfer.outcome is Outcome.FAILED:
             self.failed(request, transfer.failure)
         elif transfer.outcome is Outcome.DONE:
+            mark(TracePoint.TRANSFER_DONE, request.request_id)
             self.engine.setup.transferred(request)
 
     def heartbeat_failed(self, request: Request, error: BaseException) -> None:
