@@ -185,7 +185,8 @@ def test_factory_names_backends_options_and_missing_packages(monkeypatch):
     monkeypatch.setitem(sys.modules, "ucxx", None)
     with pytest.raises(ImportError, match=r"pip install 'pdxfer\[ucx\]'"):
         make_transport("ucx", "x")
-    monkeypatch.delitem(sys.modules, "transfer.dataplane.nixl", raising=False)
+    for module in [m for m in sys.modules if m.startswith("transfer.dataplane.nixl")]:
+        monkeypatch.delitem(sys.modules, module)
     for module in [m for m in sys.modules if m == "nixl" or m.startswith("nixl.")]:
         monkeypatch.setitem(sys.modules, module, None)
     monkeypatch.setitem(sys.modules, "nixl", None)

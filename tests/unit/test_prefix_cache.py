@@ -13,8 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from transfer.cache.block_hashes import block_hashes
 from transfer.cache.pools import BlockPool, CacheFullError
-from transfer.cache.prefix_cache import PrefixCache, PrefixHit, block_hashes
+from transfer.cache.prefix_cache import PrefixCache, PrefixHit
 from transfer.errors import InvalidInput, NotFound
 
 BS = 4

@@ -10,8 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.support.prefill_fakes import TIMEOUT_S, fake_instance
+from transfer.cache.block_hashes import block_hashes
 from transfer.cache.pools import CacheFullError, CachePools
-from transfer.cache.prefix_cache import PrefixCache, block_hashes
+from transfer.cache.prefix_cache import PrefixCache
 from transfer.control.convert import ticket_from_pb, ticket_to_pb
 from transfer.control.metrics import WorkerMetrics
 from transfer.control.types import PrefillRequest, Ticket

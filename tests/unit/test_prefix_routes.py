@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from transfer.cache.prefix_cache import block_hashes
+from transfer.cache.block_hashes import block_hashes
 from transfer.serving.openai.prefix_routes import PrefixRoutes, learn_block_size
 
 TARGETS = ["a", "b", "c"]

@@ -3,8 +3,9 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from transfer.cache.block_hashes import block_hashes
 from transfer.cache.pools import BlockPool
-from transfer.cache.prefix_cache import PrefixCache, block_hashes
+from transfer.cache.prefix_cache import PrefixCache
 
 UNIT = 64
 

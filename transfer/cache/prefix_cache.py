@@ -8,7 +8,6 @@ a hit must also end where a state checkpoint (a reserved state slot) was saved.
 
 from __future__ import annotations
 
-import hashlib
 import threading
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
@@ -16,10 +15,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from transfer.cache.block_hashes import check_int
 from transfer.cache.pools import BlockPool
 from transfer.errors import InvalidInput, NotFound
 
-_INT64_MAX = np.iinfo(np.int64).max
 _COUNTS = (
     "hits",
     "misses",
@@ -30,55 +29,9 @@ _COUNTS = (
 )
 
 
-def _check_int(field: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise InvalidInput(f"{field} must be an integer >= {minimum}, got {value!r}")
-    return value
-
-
 def _check_hash(field: str, value: object) -> None:
     if not isinstance(value, bytes):
         raise InvalidInput(f"{field}: block hash must be bytes, got {type(value).__name__}")
-
-
-def _is_token(t: object) -> bool:
-    if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
-        return False
-    return 0 <= t <= _INT64_MAX
-
-
-def _token_array(token_ids: Sequence[int]) -> np.ndarray:
-    try:
-        arr = np.asarray(token_ids)
-    except (TypeError, ValueError):  # ragged
-        arr = np.asarray([None])
-    ok = arr.ndim == 1 and (
-        not arr.size or arr.dtype.kind in "iu" and arr.min() >= 0 and arr.max() <= _INT64_MAX
-    )
-    if ok and not isinstance(token_ids, np.ndarray):  # numpy reads [True, 2] as integers
-        ok = not any(isinstance(t, (bool, np.bool_)) for t in token_ids)
-    if not ok:
-        bad = next((t for t in token_ids if not _is_token(t)), token_ids)
-        raise InvalidInput(f"token_ids: token {bad!r} is not an integer in [0, 2**63)")
-    return arr.astype("<i8", copy=False)
-
-
-def block_hashes(token_ids: Sequence[int], block_size: int, salt: bytes = b"") -> tuple[bytes, ...]:
-    """Chained hash of every full block of `token_ids`: hash i covers blocks 0..i.
-
-    hash_i = blake2b((hash_{i-1} or salt) + block i's tokens as little-endian int64), 16 bytes.
-    A trailing partial block has no hash.
-    """
-    _check_int("block_size", block_size, 1)
-    if not isinstance(salt, bytes):
-        raise InvalidInput(f"salt must be bytes, got {type(salt).__name__}")
-    arr = _token_array(token_ids)
-    hashes, prev = [], salt
-    for start in range(0, len(arr) - block_size + 1, block_size):
-        prev = hashlib.blake2b(prev + arr[start : start + block_size].tobytes(), digest_size=16)
-        prev = prev.digest()
-        hashes.append(prev)
-    return tuple(hashes)
 
 
 @dataclass(frozen=True)
@@ -128,9 +81,9 @@ class PrefixCache:
         if not isinstance(blocks, BlockPool):
             raise InvalidInput(f"blocks must be a BlockPool, got {type(blocks).__name__}")
         self.blocks = blocks
-        self.block_size = _check_int("block_size", block_size, 1)
-        self.unit = block_size if unit is None else _check_int("unit", unit, 1)
-        slots = [_check_int("checkpoint_slots", s, 0) for s in checkpoint_slots]
+        self.block_size = check_int("block_size", block_size, 1)
+        self.unit = block_size if unit is None else check_int("unit", unit, 1)
+        slots = [check_int("checkpoint_slots", s, 0) for s in checkpoint_slots]
         if len(set(slots)) != len(slots):
             raise InvalidInput(f"checkpoint_slots: duplicate slot ids in {slots}")
         self._slots = frozenset(slots)
@@ -171,7 +124,7 @@ class PrefixCache:
         pinned until `unpin`. With `needs_checkpoint=False` (a decode instance, to which the
         state crosses whole) the hit is the longest cached run of whole blocks, with no
         checkpoint and no partial block."""
-        _check_int("max_tokens", max_tokens, 0)
+        check_int("max_tokens", max_tokens, 0)
         if request_id is None:
             raise InvalidInput("request_id must not be None")
         with self._lock:
@@ -294,7 +247,7 @@ class PrefixCache:
             _check_hash("hashed_blocks", h)
             blocks = (blocks,) if isinstance(blocks, (int, np.integer)) else tuple(blocks)
             for b in blocks:
-                _check_int("hashed_blocks: block id", b, 0)
+                check_int("hashed_blocks: block id", b, 0)
             pairs.append((h, blocks))
         with self._lock:
             new: dict[bytes, tuple[int, ...]] = {}  # validated before anything changes
@@ -326,7 +279,7 @@ class PrefixCache:
         """Free up to `num_blocks` cached blocks only the cache references, least recently used
         first, with every unit whose rows they hold and the unpinned checkpoints tied to those.
         Returns how many blocks were freed."""
-        _check_int("num_blocks", num_blocks, 0)
+        check_int("num_blocks", num_blocks, 0)
         with self._lock:
             freed = 0
             while freed < num_blocks:

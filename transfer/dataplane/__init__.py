@@ -3,9 +3,9 @@
 It knows byte ranges and opaque metadata, nothing about models or layouts.
 """
 
-from transfer.dataplane.base import Transport, wait
 from transfer.dataplane.factory import BACKENDS, DEFAULT_BACKEND, make_transport
 from transfer.dataplane.ranges import RangeBatch
+from transfer.dataplane.transport import Transport, wait
 from transfer.dataplane.types import Notification, Op, State, TransferStatus
 
 __all__ = [

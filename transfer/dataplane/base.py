@@ -1,4 +1,4 @@
-"""The `Transport` protocol, and the bookkeeping every backend shares.
+"""`TransportBase`: the bookkeeping every backend of the `Transport` protocol shares.
 
 A transport owns one registered arena and moves byte ranges between it and the arenas of
 its peers. A transfer is a handle you poll: PENDING, then DONE or FAILED(reason). Every
@@ -13,98 +13,19 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar
 
 import torch
 
+from transfer.dataplane.arena_info import ArenaInfo, arena_info, check_agent_name
 from transfer.dataplane.metadata import PeerInfo
 from transfer.dataplane.ranges import RangeBatch
 from transfer.dataplane.regions import RegionMap
-from transfer.dataplane.types import Notification, Op, State, TransferStatus
+from transfer.dataplane.types import Notification, Op, TransferStatus
 from transfer.errors import Closed, InvalidInput, NotFound, WrongState
 
 MAX_NOTIF_BYTES = 4096
 UNSETTLED = "; its bytes may still move until the peer answers or is gone (settled=False)"
-
-
-@runtime_checkable
-class Transport(Protocol):
-    """Moves byte ranges between this rank's arena and its peers' arenas."""
-
-    backend: str
-    name: str
-
-    def register(self, arena: torch.Tensor) -> bytes:
-        """Register the arena (uint8 [nbytes], contiguous, CPU or CUDA) once; return the
-        metadata a peer passes to `add_peer`."""
-        ...
-
-    def register_regions(self, regions: Sequence[torch.Tensor]) -> bytes:
-        """Register several memory regions (uint8 [nbytes] each, contiguous, one device)
-        once, instead of one arena; offsets in ranges are then virtual offsets of a
-        `RegionMap` (`transfer.dataplane.regions`) that `region_map` describes. No range
-        may cross a region boundary. Return the metadata a peer passes to `add_peer`."""
-        ...
-
-    def add_peer(self, metadata: bytes) -> str:
-        """Connect to the peer described by `metadata`; return its name."""
-        ...
-
-    def remove_peer(self, peer: str) -> None:
-        """Forget a peer. Its pending transfers fail with reason 'peer removed'."""
-        ...
-
-    def post(
-        self, op: Op, peer: str, ranges: RangeBatch, notif: bytes = b"", *, deadline_s: float
-    ) -> int:
-        """Start moving `ranges` (READ: peer -> local, WRITE: local -> peer). `notif`, when
-        non-empty, reaches the peer's `notifications()` once the bytes have landed."""
-        ...
-
-    def poll(self, handle: int) -> TransferStatus:
-        """PENDING, DONE or FAILED; FAILED at the latest once the deadline has passed."""
-        ...
-
-    def release(self, handle: int) -> None:
-        """Forget a transfer. A pending one is cancelled as far as the backend can; poll
-        until `settled` first if its ranges will be reused."""
-        ...
-
-    def notifications(self) -> list[Notification]:
-        """Notifications received since the last call."""
-        ...
-
-    def close(self) -> None: ...
-
-
-@dataclass(frozen=True)
-class ArenaInfo:
-    address: int
-    nbytes: int
-    device: str
-    device_index: int
-
-
-def arena_info(arena: Any) -> ArenaInfo:
-    """Validate an arena tensor: uint8, 1-D, contiguous, non-empty, on CPU or CUDA."""
-    if not isinstance(arena, torch.Tensor):
-        raise InvalidInput(f"arena: expected a torch.Tensor, got {type(arena).__name__}")
-    if arena.dtype != torch.uint8 or arena.dim() != 1:
-        raise InvalidInput(
-            f"arena: expected a 1-D uint8 tensor, got {arena.dtype} {tuple(arena.shape)}"
-        )
-    if not arena.is_contiguous() or arena.numel() == 0:
-        raise InvalidInput("arena: must be contiguous and non-empty")
-    if arena.device.type not in ("cpu", "cuda"):
-        raise InvalidInput(f"arena: device {arena.device} is neither cpu nor cuda")
-    index = arena.device.index if arena.device.type == "cuda" else 0
-    return ArenaInfo(arena.data_ptr(), arena.numel(), arena.device.type, index or 0)
-
-
-def check_agent_name(name: Any) -> str:
-    if not isinstance(name, str) or not name or len(name) > 128 or not name.isprintable():
-        raise InvalidInput(f"agent_name: expected 1-128 printable characters, got {name!r}")
-    return name
 
 
 @dataclass
@@ -369,12 +290,3 @@ class TransportBase:
 
     def _close(self) -> None:
         raise NotImplementedError
-
-
-def wait(transport: Transport, handle: int, interval_s: float = 0.0002) -> TransferStatus:
-    """Poll until the transfer leaves PENDING; its deadline bounds the wait."""
-    while True:
-        status = transport.poll(handle)
-        if status.state is not State.PENDING:
-            return status
-        time.sleep(interval_s)

@@ -6,7 +6,7 @@ import importlib
 import inspect
 from typing import Any
 
-from transfer.dataplane.base import Transport
+from transfer.dataplane.transport import Transport
 from transfer.errors import InvalidInput
 
 BACKENDS = ("nixl", "ucx", "local")

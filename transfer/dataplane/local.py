@@ -11,7 +11,8 @@ import weakref
 
 import torch
 
-from transfer.dataplane.base import ArenaInfo, TransportBase
+from transfer.dataplane.arena_info import ArenaInfo
+from transfer.dataplane.base import TransportBase
 from transfer.dataplane.metadata import PeerInfo
 from transfer.dataplane.ranges import RangeBatch
 from transfer.dataplane.types import DONE, Notification, Op, TransferStatus

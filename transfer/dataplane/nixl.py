@@ -14,98 +14,44 @@ The agent starts no listener: metadata travels as bytes through `register`/`add_
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
-from nixl import _api as nixl_api
 from nixl._api import nixl_agent, nixl_agent_config
-from nixl._bindings import (
-    nixlBackendError,
-    nixlCancelledError,
-    nixlInvalidParamError,
-    nixlMismatchError,
-    nixlNotAllowedError,
-    nixlNotFoundError,
-    nixlNotPostedError,
-    nixlNotSupportedError,
-    nixlRemoteDisconnectError,
-    nixlRepostActiveError,
-    nixlUnknownError,
-)
 
-from transfer.dataplane.base import ArenaInfo, TransportBase
+from transfer.dataplane.arena_info import ArenaInfo
+from transfer.dataplane.base import TransportBase
 from transfer.dataplane.metadata import PeerInfo
+from transfer.dataplane.nixl_descriptors import (
+    MAX_PREPPED_DESCRIPTORS,
+    auto_granule,
+    descriptors,
+    granule_descriptors,
+    granule_indices,
+    is_granule_option,
+    serves_prepped,
+)
+from transfer.dataplane.nixl_setup import (
+    NIXL_ERRORS,
+    describe,
+    progress_delay,
+    quietly,
+    try_release,
+    ucx_tls,
+)
 from transfer.dataplane.ranges import RangeBatch
 from transfer.dataplane.regions import RegionMap
 from transfer.dataplane.types import DONE, PENDING, Notification, Op, TransferStatus
 from transfer.errors import InvalidInput
 
-# What NIXL's bindings raise when a call fails (a peer gone, a handle still busy, ...);
-# anything else is a bug here and propagates.
-NIXL_ERRORS = (
-    nixlBackendError,
-    nixlCancelledError,
-    nixlInvalidParamError,
-    nixlMismatchError,
-    nixlNotAllowedError,
-    nixlNotFoundError,
-    nixlNotPostedError,
-    nixlNotSupportedError,
-    nixlRemoteDisconnectError,
-    nixlRepostActiveError,
-    nixlUnknownError,
-)
-MAX_PREPPED_DESCRIPTORS = 1 << 18
-MIN_GRANULE = 4096
-PROGRESS_DELAY_US = 100  # NIXL's progress thread, when idle (see _progress_delay)
-# Posting through the prepared lists costs per granule, building descriptors costs per
-# range; measured, they break even at about two granules per range (docs/dataplane.md).
-MAX_GRANULES_PER_RANGE = 2
-
-
-def auto_granule(arena_bytes: int) -> int:
-    """The smallest power of two >= 4 KiB that keeps a prepared list within 2^18 entries."""
-    granule = MIN_GRANULE
-    while arena_bytes // granule > MAX_PREPPED_DESCRIPTORS:
-        granule *= 2
-    return granule
+PROGRESS_DELAY_US = 100  # NIXL's progress thread, when idle (see nixl_setup.progress_delay)
 
 
 def _mem_type(device: str) -> str:
     return "DRAM" if device == "cpu" else "VRAM"
-
-
-def _descriptors(
-    base: int, offsets: np.ndarray, nbytes: np.ndarray, device_index: int
-) -> np.ndarray:
-    """Nx3 uint64 (address, length, device id), the form NIXL reads without a Python loop."""
-    descs = np.empty((len(offsets), 3), dtype=np.uint64)
-    descs[:, 0] = offsets.astype(np.uint64) + np.uint64(base)
-    descs[:, 1] = nbytes
-    descs[:, 2] = device_index
-    return descs
-
-
-def _granule_descriptors(base: int, nbytes: int, granule: int, device_index: int) -> np.ndarray:
-    count = nbytes // granule
-    offsets = np.arange(count, dtype=np.int64) * granule
-    return _descriptors(base, offsets, np.full(count, granule, dtype=np.int64), device_index)
-
-
-def _indices(offsets: np.ndarray, counts: np.ndarray, total: int, granule: int) -> np.ndarray:
-    """Granule indices covering each range, ranges in order: int32 [total]."""
-    firsts = offsets // granule
-    if total == len(counts):
-        return firsts.astype(np.int32)
-    run_starts = np.cumsum(counts) - counts
-    step = np.arange(total, dtype=np.int64) - np.repeat(run_starts, counts)
-    return (np.repeat(firsts, counts) + step).astype(np.int32)
 
 
 @dataclass
@@ -118,7 +64,7 @@ class NixlTransport(TransportBase):
     two >= 4096 bytes); `num_threads` (UCX plugin threads, 0 = NIXL's default); `tls`
     (UCX_TLS while the UCX plugin starts, e.g. "tcp"); `net_devices` (UCX devices, e.g. "lo");
     `progress_delay_us` (how long NIXL's progress thread sleeps when idle, see
-    `_progress_delay`)."""
+    `nixl_setup.progress_delay`)."""
 
     backend = "nixl"
 
@@ -133,10 +79,7 @@ class NixlTransport(TransportBase):
         progress_delay_us: int = PROGRESS_DELAY_US,
     ) -> None:
         super().__init__(agent_name)
-        if granule != "auto" and not (
-            isinstance(granule, int)
-            and (granule == 0 or (granule >= MIN_GRANULE and granule & (granule - 1) == 0))
-        ):
+        if not is_granule_option(granule):
             raise InvalidInput(
                 f"granule: expected 'auto', 0 or a power of two >= 4096, got {granule!r}"
             )
@@ -157,11 +100,11 @@ class NixlTransport(TransportBase):
         if "NIXL_LOG_LEVEL" not in os.environ:
             logging.getLogger("nixl").setLevel(logging.WARNING)  # its INFO lines go to stdout
         config = nixl_agent_config(enable_prog_thread=True, enable_listen_thread=False, backends=[])
-        with _progress_delay(progress_delay_us):
+        with progress_delay(progress_delay_us):
             self._agent = nixl_agent(agent_name, config)
         if "UCX" not in self._agent.get_plugin_list():
             raise RuntimeError("nixl: the UCX plugin is missing from this NIXL installation")
-        with _ucx_tls(tls):  # NIXL passes no transport list to UCX; UCX reads UCX_TLS
+        with ucx_tls(tls):  # NIXL passes no transport list to UCX; UCX reads UCX_TLS
             self._agent.create_backend("UCX", init)
         self._granule_option = granule
         self.granule = 0
@@ -187,7 +130,7 @@ class NixlTransport(TransportBase):
                 "descriptors; pick a larger granule"
             )
         if self.granule and info.nbytes >= self.granule:
-            descs = _granule_descriptors(info.address, info.nbytes, self.granule, info.device_index)
+            descs = granule_descriptors(info.address, info.nbytes, self.granule, info.device_index)
             self._local_dlist = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", descs, self._mem)
         return self._agent.get_agent_metadata()
 
@@ -212,13 +155,13 @@ class NixlTransport(TransportBase):
     def _remove_peer(self, peer: str) -> None:
         dlist = self._remote_dlists.pop(peer, None)
         if dlist is not None:
-            _quietly(dlist.release)
-        _quietly(self._agent.remove_remote_agent, peer)
+            quietly(dlist.release)
+        quietly(self._agent.remove_remote_agent, peer)
 
     def _remote_dlist(self, peer: PeerInfo) -> Any:
         dlist = self._remote_dlists.get(peer.name)
         if dlist is None:
-            descs = _granule_descriptors(
+            descs = granule_descriptors(
                 peer.base_address, peer.arena_bytes, self.granule, peer.device_index
             )
             dlist = self._agent.prep_xfer_dlist(peer.name, descs, _mem_type(peer.device))
@@ -235,22 +178,11 @@ class NixlTransport(TransportBase):
         return cached[1]
 
     def _prepped(self, peer: PeerInfo, ranges: RangeBatch) -> bool:
-        """Whether the prepared lists serve this batch: every range is whole granules inside
-        both lists, and few enough granules that the index list is the cheaper post."""
-        granule = self.granule
-        if not granule or self._local_dlist is None or peer.arena_bytes < granule or peer.regions:
-            return False
-        if ranges.total_bytes > MAX_GRANULES_PER_RANGE * granule * len(ranges):
-            return False
-        if ((ranges.local | ranges.remote | ranges.nbytes) & (granule - 1)).any():
+        """Whether the prepared lists serve this batch (`serves_prepped`)."""
+        if self._local_dlist is None or peer.regions:
             return False
         assert self.arena is not None
-        local_limit = self.arena.nbytes // granule * granule
-        remote_limit = peer.arena_bytes // granule * granule
-        return bool(
-            (ranges.local + ranges.nbytes).max() <= local_limit
-            and (ranges.remote + ranges.nbytes).max() <= remote_limit
-        )
+        return serves_prepped(self.granule, self.arena.nbytes, peer.arena_bytes, ranges)
 
     def _make_xfer(self, op: Op, peer: PeerInfo, ranges: RangeBatch, notif: bytes) -> Any:
         assert self.arena is not None
@@ -260,9 +192,9 @@ class NixlTransport(TransportBase):
             return self._agent.make_prepped_xfer(
                 op.value,
                 self._local_dlist,
-                _indices(ranges.local, counts, total, self.granule),
+                granule_indices(ranges.local, counts, total, self.granule),
                 self._remote_dlist(peer),
-                _indices(ranges.remote, counts, total, self.granule),
+                granule_indices(ranges.remote, counts, total, self.granule),
                 notif,
             )
         arena = self.arena
@@ -273,8 +205,8 @@ class NixlTransport(TransportBase):
         peer_regions = self._peer_regions(peer)
         if peer_regions is not None:
             remote_at = peer_regions.addresses(ranges.remote, ranges.nbytes, "ranges.remote")
-        local = _descriptors(arena.address, local_at, ranges.nbytes, arena.device_index)
-        remote = _descriptors(peer.base_address, remote_at, ranges.nbytes, peer.device_index)
+        local = descriptors(arena.address, local_at, ranges.nbytes, arena.device_index)
+        remote = descriptors(peer.base_address, remote_at, ranges.nbytes, peer.device_index)
         return self._agent.initialize_xfer(
             op.value,
             self._agent.get_xfer_descs(local, self._mem),
@@ -289,13 +221,13 @@ class NixlTransport(TransportBase):
         try:
             handle = self._make_xfer(op, peer, ranges, notif)
         except NIXL_ERRORS as exc:
-            return None, TransferStatus.failure(f"could not create transfer: {_describe(exc)}")
+            return None, TransferStatus.failure(f"could not create transfer: {describe(exc)}")
         xfer = _Xfer(handle)
         try:
             state = self._agent.transfer(handle)
         except NIXL_ERRORS as exc:
             self._discard(xfer)
-            return None, TransferStatus.failure(f"could not post transfer: {_describe(exc)}")
+            return None, TransferStatus.failure(f"could not post transfer: {describe(exc)}")
         if state == "ERR":
             self._discard(xfer)
             return None, TransferStatus.failure("NIXL refused to post the transfer")
@@ -305,7 +237,7 @@ class NixlTransport(TransportBase):
         try:
             state = self._agent.check_xfer_state(record.handle)
         except NIXL_ERRORS as exc:
-            return TransferStatus.failure(_describe(exc))
+            return TransferStatus.failure(describe(exc))
         if state == "DONE":
             return DONE
         if state == "PROC":
@@ -334,77 +266,23 @@ class NixlTransport(TransportBase):
             record.handle.release()
         except NIXL_ERRORS:
             self._stuck.append(record.handle)
-        self._stuck = [h for h in self._stuck if not _try_release(h)]
+        self._stuck = [h for h in self._stuck if not try_release(h)]
 
     def _notifications(self) -> list[Notification]:
         new = self._agent.get_new_notifs()
         return [Notification(str(peer), bytes(msg)) for peer, msgs in new.items() for msg in msgs]
 
     def _close(self) -> None:
-        self._stuck = [h for h in self._stuck if not _try_release(h)]
+        self._stuck = [h for h in self._stuck if not try_release(h)]
         for peer in list(self._remote_dlists):
             self._remote_dlists.pop(peer).release()
         for peer in self.peers:
-            _quietly(self._agent.remove_remote_agent, peer)
+            quietly(self._agent.remove_remote_agent, peer)
         if self._local_dlist is not None:
             self._local_dlist.release()
             self._local_dlist = None
         if self._reg_descs is not None:
-            _quietly(self._agent.deregister_memory, self._reg_descs)
+            quietly(self._agent.deregister_memory, self._reg_descs)
             self._reg_descs = None
         self.peers.clear()
         del self._agent
-
-
-@contextlib.contextmanager
-def _progress_delay(delay_us: int) -> Iterator[None]:
-    """NIXL's Python agent hard-codes a progress-thread delay of 0: the thread spins and
-    takes a whole core per process even when idle (measured: 3.0 CPU-s in 3 s idle; 0.06
-    at 100 us). Agents built inside this block get `delay_us` instead."""
-    original = nixl_api.nixlBind.nixlAgentConfig
-
-    class _Config(original):
-        def __setattr__(self, name: str, value: Any) -> None:
-            super().__setattr__(name, delay_us if name == "pthrDelay" else value)
-
-    nixl_api.nixlBind.nixlAgentConfig = _Config
-    try:
-        yield
-    finally:
-        nixl_api.nixlBind.nixlAgentConfig = original
-
-
-@contextlib.contextmanager
-def _ucx_tls(tls: str | None) -> Iterator[None]:
-    if tls is None:
-        yield
-        return
-    saved = os.environ.get("UCX_TLS")
-    os.environ["UCX_TLS"] = tls
-    try:
-        yield
-    finally:
-        if saved is None:
-            del os.environ["UCX_TLS"]
-        else:
-            os.environ["UCX_TLS"] = saved
-
-
-def _describe(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
-def _try_release(handle: Any) -> bool:
-    try:
-        handle.release()
-        return True
-    except NIXL_ERRORS:
-        return False
-
-
-def _quietly(fn: Any, *args: Any) -> None:
-    try:
-        fn(*args)
-    except NIXL_ERRORS:
-        logging.getLogger(__name__).debug("ignored error during close", exc_info=True)

@@ -24,7 +24,8 @@ import torch  # noqa: E402
 from ucxx._lib import libucxx as ucx_api  # noqa: E402
 from ucxx._lib.arr import Array  # noqa: E402
 
-from transfer.dataplane.base import ArenaInfo, TransportBase  # noqa: E402
+from transfer.dataplane.arena_info import ArenaInfo  # noqa: E402
+from transfer.dataplane.base import TransportBase  # noqa: E402
 from transfer.dataplane.metadata import PeerInfo  # noqa: E402
 from transfer.dataplane.ranges import RangeBatch  # noqa: E402
 from transfer.dataplane.regions import RegionMap  # noqa: E402

@@ -16,8 +16,8 @@ from __future__ import annotations
 import logging
 import time
 
+from transfer.cache.block_hashes import block_hashes
 from transfer.cache.pools import CacheFullError
-from transfer.cache.prefix_cache import block_hashes
 from transfer.errors import CapacityError, DeadlineExceeded, InvalidInput, TransferFailed
 from transfer.serving.engine.checkpoints import PREFIX_UNIT, checkpoint_positions, checkpoint_stops
 from transfer.serving.engine.instance import Instance

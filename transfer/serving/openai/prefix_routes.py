@@ -14,7 +14,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from transfer.cache.prefix_cache import block_hashes
+from transfer.cache.block_hashes import block_hashes
 
 DEFAULT_CAPACITY = 1 << 16  # block hashes remembered, least recently used dropped first
 DEFAULT_MAX_SKEW = 4  # in-flight requests a cache hit may cost over the least busy instance

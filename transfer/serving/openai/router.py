@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
-from transfer.cache.prefix_cache import block_hashes
+from transfer.cache.block_hashes import block_hashes
 from transfer.control.client import ClientOptions, DecodeClient, PrefillClient, TransferClient
 from transfer.control.errors import ControlError, GrpcCode
 from transfer.control.types import (
