@@ -18,8 +18,8 @@ from transfer.serving.addresses import join_address, resolve, split_address
 from transfer.serving.engine.instance import InstanceConfig, plan_for
 from transfer.serving.engine.serve_options import ANY_PORT, ServeOptions
 from transfer.serving.openai.router import Router
+from transfer.serving.services.instance_config import instance_config
 from transfer.serving.services.interfaces import interface_of
-from transfer.serving.services.serve import instance_config
 from transfer.serving.services.serve_security import auth_token, check_exposure, tls_configs
 
 
