@@ -162,11 +162,8 @@ def launch(config: LaunchConfig) -> int:
     """Run the workers, send the requests, print the report; 0 when every request passed."""
     from transfer.cli.prompts import load_prompts
     from transfer.presets import load_geometry, looks_like_path
-    from transfer.serving.engine.instance import InstanceConfig, plan_for
-    from transfer.serving.launch.local import LocalPair, LocalPairConfig
     from transfer.serving.openai.served import load_served_model
     from transfer.serving.openai.text import TextCodec
-    from transfer.units import parse_size
 
     geometry = load_geometry(config.model)
     codec = TextCodec.from_dir(config.model) if looks_like_path(config.model) else None
@@ -178,42 +175,10 @@ def launch(config: LaunchConfig) -> int:
                            config.shared_prefix)  # fmt: skip
     # The end tokens the HTTP API stops at (none for a preset, which names none).
     end_tokens = () if config.ignore_eos else load_served_model(config.model).eos_token_ids
-    budget = parse_size(config.gpu_mem, "--gpu-mem")
-    for role, tp in (("prefill", config.prefill_tp), ("decode", config.decode_tp)):
-        try:  # what each serve process will plan, checked before anything starts
-            sizes = {"max_seqs": len(prompts), "min_block_size": config.block_size}
-            sizes["prefix_cache"] = config.prefix_cache
-            instance = InstanceConfig(
-                role, geometry, model=config.model, ssm_dtype=config.ssm_dtype, tp=tp,
-                budget_bytes=budget, **sizes,
-            )  # fmt: skip
-            plan = plan_for(instance)
-        except ValueError as exc:
-            raise InvalidInput(f"--{role}-tp {tp}: {exc}") from None
-        longest = max(map(len, prompts)) + config.max_tokens
-        if (
-            plan.num_kv_blocks * plan.block_size < longest * len(prompts)
-            and geometry.attention_layers
-        ):
-            raise InvalidInput(
-                f"--gpu-mem {config.gpu_mem}: {role} holds {plan.num_kv_blocks} blocks of "
-                f"{plan.block_size} tokens, too few for {len(prompts)} requests of up to "
-                f"{longest} tokens; raise --gpu-mem"
-            )
+    _check_room(config, geometry, prompts)
     run_dir = Path(tempfile.mkdtemp(prefix="pdxfer-launch-"))
     dump_dir = run_dir / "caches" if config.verify else None
-    pair = LocalPair(
-        LocalPairConfig(
-            config.model, config.prefill_tp, config.decode_tp, config.ssm_dtype,
-            config.transport, config.gpu_mem, config.device, max_seqs=len(prompts),
-            block_size=config.block_size, seed=config.seed, dump_dir=dump_dir,
-            timeout_s=config.timeout, staging_mib=config.staging_mib,
-            staging_min_packed=config.staging_min_packed,
-            prefix_cache=config.prefix_cache, checkpoint_interval=config.checkpoint_interval,
-            transfer_mode=config.transfer_mode, stream_layers=config.stream_layers,
-        ),
-        run_dir,
-    )  # fmt: skip
+    pair = _local_pair(config, len(prompts), run_dir, dump_dir)
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     ok = keep = False  # the run directory is kept when something failed, not on Ctrl-C
     try:
@@ -265,6 +230,54 @@ def launch(config: LaunchConfig) -> int:
     else:
         print(format_table(outcomes, summary))
     return 0 if ok else 1
+
+
+def _check_room(config: LaunchConfig, geometry, prompts: list[list[int]]) -> None:
+    """What each serve process will plan, checked before anything starts: InvalidInput names
+    the flag when an instance cannot hold every request at once."""
+    from transfer.serving.engine.instance import InstanceConfig, plan_for
+    from transfer.units import parse_size
+
+    budget = parse_size(config.gpu_mem, "--gpu-mem")
+    for role, tp in (("prefill", config.prefill_tp), ("decode", config.decode_tp)):
+        try:
+            sizes = {"max_seqs": len(prompts), "min_block_size": config.block_size}
+            sizes["prefix_cache"] = config.prefix_cache
+            instance = InstanceConfig(
+                role, geometry, model=config.model, ssm_dtype=config.ssm_dtype, tp=tp,
+                budget_bytes=budget, **sizes,
+            )  # fmt: skip
+            plan = plan_for(instance)
+        except ValueError as exc:
+            raise InvalidInput(f"--{role}-tp {tp}: {exc}") from None
+        longest = max(map(len, prompts)) + config.max_tokens
+        if (
+            plan.num_kv_blocks * plan.block_size < longest * len(prompts)
+            and geometry.attention_layers
+        ):
+            raise InvalidInput(
+                f"--gpu-mem {config.gpu_mem}: {role} holds {plan.num_kv_blocks} blocks of "
+                f"{plan.block_size} tokens, too few for {len(prompts)} requests of up to "
+                f"{longest} tokens; raise --gpu-mem"
+            )
+
+
+def _local_pair(config: LaunchConfig, num_requests: int, run_dir: Path, dump_dir: Path | None):
+    """The prefill and decode instances `config` describes, each with room for every request."""
+    from transfer.serving.launch.local import LocalPair, LocalPairConfig
+
+    return LocalPair(
+        LocalPairConfig(
+            config.model, config.prefill_tp, config.decode_tp, config.ssm_dtype,
+            config.transport, config.gpu_mem, config.device, max_seqs=num_requests,
+            block_size=config.block_size, seed=config.seed, dump_dir=dump_dir,
+            timeout_s=config.timeout, staging_mib=config.staging_mib,
+            staging_min_packed=config.staging_min_packed,
+            prefix_cache=config.prefix_cache, checkpoint_interval=config.checkpoint_interval,
+            transfer_mode=config.transfer_mode, stream_layers=config.stream_layers,
+        ),
+        run_dir,
+    )  # fmt: skip
 
 
 def _raise_interrupt(signum, frame):
