@@ -1,10 +1,6 @@
-"""`TransportBase`: the bookkeeping every backend of the `Transport` protocol shares.
-
-A transport owns one registered arena and moves byte ranges between it and the arenas of
-its peers. A transfer is a handle you poll: PENDING, then DONE or FAILED(reason). Every
-transfer has a deadline; once it passes, `poll` stops what it can and answers FAILED. Its
-ranges may be reused once the status is also `settled` (see TransferStatus). Transports
-are not thread-safe: one owner thread calls them. The passive side needs no calls at all.
+"""`TransportBase`: the bookkeeping every backend of the `Transport` protocol shares
+(validation, peers, handles and deadlines). The protocol, and what a transfer's states
+mean, are in transport.py.
 """
 
 from __future__ import annotations
